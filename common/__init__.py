@@ -1,0 +1,1 @@
+"""Shared helpers for the training scripts in `scripts/`: flat functions, keyword arguments, no Trainer."""

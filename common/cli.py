@@ -1,0 +1,90 @@
+"""Command-line plumbing shared by the scripts: the common flags, user errors, the output folder."""
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad path, bad flag, wrong launch): printed as one message, exit code 2."""
+
+
+def run(main, args):
+    """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback."""
+    try:
+        return main(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule):
+    """The flags every training script has; each script passes its own defaults so they stay visible there."""
+    parser.add_argument("--data_dir", default="data", help="dataset location (default: %(default)s)")
+    parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
+    parser.add_argument("--output_dir", default=output_dir, help="run folder (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output_dir")
+    parser.add_argument("--epochs", type=int, default=epochs, help="default: %(default)s")
+    parser.add_argument("--batch_size", type=int, default=batch_size, help="per process (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=lr, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--weight_decay", type=float, default=weight_decay, help="default: %(default)s")
+    parser.add_argument("--label_smoothing", type=float, default=label_smoothing, help="default: %(default)s")
+    parser.add_argument("--schedule", choices=["onecycle", "cosine", "constant"], default=schedule,
+                        help="LR schedule, stepped per optimizer step (default: %(default)s)")
+    parser.add_argument("--warmup_fraction", type=float, default=0.2,
+                        help="share of the steps spent warming up (onecycle, cosine; default: %(default)s)")
+    parser.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    parser.add_argument("--max_grad_norm", type=float, default=None, help="clip gradients to this norm")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                        help="override the accelerate config's setting")
+    parser.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps (smoke runs)")
+    parser.add_argument("--seed", type=int, default=42, help="default: %(default)s")
+    parser.add_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
+                        help="experiment tracker through Accelerate (default: %(default)s)")
+
+
+def check_args(args):
+    """Reject flag values that cannot work before anything is built."""
+    for name in ("epochs", "batch_size", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max_steps must be at least 1, got {args.max_steps}")
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
+
+
+def prepare_output_dir(output_dir, *, overwrite, accelerator):
+    """Refuse to train over an earlier run unless --overwrite; every rank checks before the main one writes."""
+    output_dir = Path(output_dir)
+    earlier = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if earlier and not overwrite:
+        raise UserError(
+            f"{output_dir} already holds a run ({', '.join(earlier)}). "
+            "Pass --overwrite to replace it, or choose another --output_dir."
+        )
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for name in earlier:
+            path = output_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        output_dir.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+def args_to_dict(args):
+    """The run's arguments as JSON- and tracker-friendly scalars."""
+    return {key: (value if isinstance(value, (int, float, str, bool)) or value is None else str(value))
+            for key, value in vars(args).items()}
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -1,0 +1,311 @@
+"""Datasets that fit in memory (CIFAR-10, MNIST, Fashion-MNIST, scikit-learn digits).
+
+Each is decoded once into a uint8 tensor (N, C, H, W). The DataLoader fetches a whole batch with one
+index operation (`__getitems__`), so there is no per-sample decode, `ToTensor` or collate; the uint8
+batch moves to the device and `preprocess` crops, flips and normalises it there, per sample random.
+It is still a plain DataLoader, so `accelerator.prepare` shards it, seeds it and can skip batches.
+"""
+
+import gzip
+import io
+import pickle
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from .cli import UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+MNIST_CLASSES = [str(digit) for digit in range(10)]
+FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+
+
+class InMemoryDataset(torch.utils.data.Dataset):
+    """uint8 images (N, C, H, W) and int64 labels; batches come out as dicts with image, label and index."""
+
+    def __init__(self, images, labels, classes):
+        assert images.dtype == torch.uint8 and images.ndim == 4 and len(images) == len(labels)
+        self.images, self.labels, self.classes = images.contiguous(), labels.long(), list(classes)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices):
+        # one gather for the whole batch; the DataLoader calls this instead of __getitem__ per sample
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return {"image": self.images[index], "label": self.labels[index], "index": index}
+
+
+def _batch_is_ready(batch):
+    return batch
+
+
+def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=0, pin_memory=False):
+    """A DataLoader over an InMemoryDataset; the batch is already built, so collation is the identity."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, collate_fn=_batch_is_ready,
+        num_workers=num_workers, pin_memory=pin_memory,
+    )
+
+
+def preprocess(images, *, mean, std, padding=0, flip=False):
+    """uint8 (N, C, H, W) on any device -> normalised float; random crop (zero padding) and flip per sample."""
+    n, _, height, width = images.shape
+    if padding:
+        padded = F.pad(images, (padding, padding, padding, padding))
+        dy = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
+        dx = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
+        rows = (dy + torch.arange(height, device=images.device))[:, :, None]
+        cols = (dx + torch.arange(width, device=images.device))[:, None, :]
+        batch = torch.arange(n, device=images.device)[:, None, None]
+        images = padded[batch, :, rows, cols].permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
+    if flip:
+        mirror = torch.rand(n, device=images.device) < 0.5
+        images = torch.where(mirror[:, None, None, None], images.flip(3), images)
+    mean = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
+    std = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
+    return (images.float() / 255 - mean) / std
+
+
+# --- CIFAR-10 -------------------------------------------------------------------------------------
+
+def build_cifar10(data_dir, *, download=False):
+    """(train, test) InMemoryDatasets from the python batches, their .tar.gz, an ImageFolder tree or `hf:NAME`."""
+    data_dir = str(data_dir)
+    if data_dir.startswith("hf:"):
+        return _cifar10_from_hf(data_dir[3:])
+    root = Path(data_dir)
+    if download and _find_cifar10(root) is None:
+        import torchvision  # only needed to download
+        torchvision.datasets.CIFAR10(root=root, download=True)
+    found = _find_cifar10(root)
+    if found is None:
+        raise UserError(
+            f"no CIFAR-10 found at {root}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
+            f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "
+            f"{root}/test/<class>/*.jpg, or --data_dir hf:NAME_OR_PATH for a Hugging Face dataset. "
+            "Add --download to fetch the official batches (needs internet)."
+        )
+    kind, path = found
+    if kind == "folder":
+        train = load_image_folder(path / "train", size=(32, 32))
+        test = load_image_folder(path / "test", size=(32, 32))
+        if train.classes != test.classes:
+            raise UserError(f"{path}/train and {path}/test have different class folders: "
+                            f"{train.classes} vs {test.classes}")
+        return train, test
+    return _cifar10_from_batches(kind, path)
+
+
+def _find_cifar10(root):
+    for batches in (root / "cifar-10-batches-py", root):
+        if (batches / "data_batch_1").is_file():
+            return "batches", batches
+    for archive in (root / "cifar-10-python.tar.gz", root):
+        if archive.is_file() and archive.name.endswith((".tar.gz", ".tgz")):
+            return "archive", archive
+    for folder in (root, root / "cifar10"):
+        if (folder / "train").is_dir() and (folder / "test").is_dir():
+            return "folder", folder
+    return None
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """The CIFAR batches are pickles: allow numpy arrays and builtins only, never arbitrary code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("builtins", "bytes")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR-10 batch file")
+        return super().find_class(module, name)
+
+
+def _read_batch(data, name):
+    try:
+        entry = _ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+        images = np.asarray(entry[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        return images, np.asarray(entry[b"labels"], dtype=np.int64)
+    except Exception as error:
+        raise UserError(f"{name} is not a readable CIFAR-10 batch file ({error})") from None
+
+
+def _cifar10_from_batches(kind, path):
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    if kind == "batches":
+        present = [name for name in names if (path / name).is_file()]
+        files = {name: (path / name).read_bytes() for name in present}
+    else:
+        try:
+            with tarfile.open(path) as archive:
+                files = {Path(m.name).name: archive.extractfile(m).read()
+                         for m in archive.getmembers() if m.isfile() and Path(m.name).name in names}
+        except (tarfile.TarError, OSError, EOFError) as error:
+            raise UserError(f"cannot read {path} as a .tar.gz of CIFAR-10 batches ({error})") from None
+    train_names = [name for name in names[:5] if name in files]
+    if not train_names or "test_batch" not in files:
+        raise UserError(f"{path} lacks CIFAR-10 batch files: need data_batch_1..5 and test_batch, "
+                        f"found {sorted(files)}")
+    train = [_read_batch(files[name], f"{path}/{name}") for name in train_names]
+    test = _read_batch(files["test_batch"], f"{path}/test_batch")
+
+    def dataset(images, labels):
+        return InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), CIFAR10_CLASSES)
+
+    return (dataset(np.concatenate([b[0] for b in train]), np.concatenate([b[1] for b in train])),
+            dataset(*test))
+
+
+def _cifar10_from_hf(name_or_path):
+    import datasets  # imported here: only this source needs it
+
+    if Path(name_or_path).exists():
+        splits = datasets.load_from_disk(name_or_path)
+    else:
+        try:
+            splits = datasets.load_dataset(name_or_path)
+        except Exception as error:
+            raise UserError(f"cannot load Hugging Face dataset {name_or_path!r} (not a local folder saved with "
+                            f"save_to_disk, and the hub said: {error})") from None
+    if not {"train", "test"} <= set(splits):
+        raise UserError(f"Hugging Face dataset {name_or_path!r} needs 'train' and 'test' splits, has {list(splits)}")
+    return tuple(_from_hf_split(splits[split], name_or_path) for split in ("train", "test"))
+
+
+def _from_hf_split(split, name):
+    import datasets
+
+    image_column = next((c for c, f in split.features.items() if isinstance(f, datasets.Image)), None)
+    label_column = next((c for c, f in split.features.items() if isinstance(f, datasets.ClassLabel)), None)
+    if image_column is None or label_column is None:
+        raise UserError(f"Hugging Face dataset {name!r} needs an Image column and a ClassLabel column, "
+                        f"has {dict(split.features)}")
+    images = np.stack([np.asarray(image.convert("RGB").resize((32, 32))) for image in split[image_column]])
+    labels = torch.tensor(split[label_column], dtype=torch.long)
+    return InMemoryDataset(torch.from_numpy(images).permute(0, 3, 1, 2), labels,
+                           split.features[label_column].names)
+
+
+def load_image_folder(root, *, size):
+    """Decode a `root/<class>/<image>` tree into an InMemoryDataset of RGB images resized to `size`."""
+    root = Path(root)
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    if not classes:
+        raise UserError(f"{root} has no class folders; expected {root}/<class>/<image>.jpg")
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        images = sorted(p for p in (root / name).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+        if not images:
+            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+        files += images
+        labels += [label] * len(images)
+
+    def decode(path):
+        try:
+            with Image.open(path) as image:
+                image = image.convert("RGB")
+                return np.asarray(image if image.size == size else image.resize(size, Image.BILINEAR))
+        except (OSError, ValueError) as error:
+            raise UserError(f"cannot read image {path}: {error}") from None
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        pixels = np.stack(list(pool.map(decode, files, chunksize=256)))
+    return InMemoryDataset(torch.from_numpy(pixels).permute(0, 3, 1, 2), torch.tensor(labels), classes)
+
+
+# --- MNIST and Fashion-MNIST (IDX files) ------------------------------------------------------------
+
+IDX_FILES = {"train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
+             "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte"}
+TORCHVISION_FOLDERS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # apt-get install dataset-fashion-mnist
+
+
+def read_idx(path):
+    """An IDX file (gzipped or not) as a numpy uint8 array of the shape its header gives."""
+    path = Path(path)
+    data = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise UserError(f"{path} is not an unsigned-byte IDX file (bad header)")
+    ndim = data[3]
+    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(shape)):
+        raise UserError(f"{path} is truncated or corrupt: header says {shape}, file holds {body.size} values")
+    return body.reshape(shape)
+
+
+def _find_idx(folder, stem):
+    # the original files use '-idx3-ubyte'; some mirrors write '.idx3-ubyte'
+    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def build_mnist(data_dir, *, name="mnist", download=False):
+    """(train, test) InMemoryDatasets for `mnist` or `fashion_mnist` from the four IDX files.
+
+    Looks in `data_dir`, `data_dir/raw`, the torchvision layout `data_dir/MNIST/raw` (or FashionMNIST),
+    and for Fashion-MNIST the Debian package's folder.
+    """
+    root = Path(data_dir)
+    folder = TORCHVISION_FOLDERS[name]
+    candidates = [root, root / "raw", root / folder / "raw"]
+    if name == "fashion_mnist":
+        candidates.append(DEBIAN_FASHION_MNIST)
+    found = next((c for c in candidates if _find_idx(c, IDX_FILES["train_images"])), None)
+    if found is None and download:
+        import torchvision  # only needed to download
+
+        getattr(torchvision.datasets, folder)(root=root, download=True)
+        found = root / folder / "raw"
+    if found is None:
+        raise UserError(
+            f"no {name} IDX files found; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: a folder "
+            "with train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
+            f"(each optionally .gz), or torchvision's {root}/{folder}/raw/. Add --download to fetch them "
+            "(needs internet)" + ("; on Debian: apt-get install dataset-fashion-mnist." if name == "fashion_mnist"
+                                  else ".")
+        )
+    arrays = {}
+    for key, stem in IDX_FILES.items():
+        path = _find_idx(found, stem)
+        if path is None:
+            raise UserError(f"{found} has train-images-idx3-ubyte but lacks {stem} (or {stem}.gz)")
+        arrays[key] = read_idx(path)
+    classes = FASHION_MNIST_CLASSES if name == "fashion_mnist" else MNIST_CLASSES
+
+    def dataset(images, labels):
+        if len(images) != len(labels):
+            raise UserError(f"{found}: {len(images)} images but {len(labels)} labels")
+        return InMemoryDataset(torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.copy()), classes)
+
+    return (dataset(arrays["train_images"], arrays["train_labels"]),
+            dataset(arrays["test_images"], arrays["test_labels"]))
+
+
+def build_digits(*, test_fraction=0.25, seed=42):
+    """scikit-learn's bundled 1,797 8x8 digits (offline), split stratified into (train, test)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = np.round(digits.images * (255 / 16)).astype(np.uint8)[:, None]  # values 0..16 -> 0..255
+    train_x, test_x, train_y, test_y = train_test_split(
+        images, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
+    return (InMemoryDataset(torch.from_numpy(train_x), torch.from_numpy(train_y), MNIST_CLASSES),
+            InMemoryDataset(torch.from_numpy(test_x), torch.from_numpy(test_y), MNIST_CLASSES))

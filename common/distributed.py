@@ -1,0 +1,57 @@
+"""Building the Accelerator so that the same launch works on N GPUs, several nodes, or a CPU-only laptop."""
+
+import os
+import warnings
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+
+from .cli import UserError
+
+
+# DDP warns when a parameter's gradient strides differ only along a size-1 dimension (the 1-channel
+# MNIST conv): harmless, and printed by every process.
+warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+
+
+def build_accelerator(*, mixed_precision=None, grad_accum=1, report_to="none", output_dir=None):
+    """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour.
+
+    `accelerate launch --config_file accelerate_configs/cpu.yaml` starts its processes through torchrun
+    (the config says MULTI_GPU, which is the only launcher that spawns N local processes). On a machine
+    without CUDA a plain `Accelerator()` then sees LOCAL_RANK but no GPU and falls back to a single,
+    non-distributed process, so every process would train its own copy. Passing `cpu=True` there makes
+    Accelerate join the processes with gloo (MULTI_CPU) instead.
+    """
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=grad_accum,
+        log_with=None if report_to == "none" else report_to,
+        project_dir=output_dir,
+        # seedable sampler: the shuffle order depends only on (seed, epoch), the same on every rank and on resume
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    check_process_count(accelerator)
+    return accelerator
+
+
+def check_process_count(accelerator):
+    """Stop when the launcher started a different number of processes than Accelerate joined together."""
+    if "WORLD_SIZE" in os.environ:
+        launched = int(os.environ["WORLD_SIZE"])
+        if accelerator.num_processes != launched:
+            raise UserError(
+                f"the launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate joined "
+                f"{accelerator.num_processes} ({accelerator.distributed_type}); each process would train its own "
+                "copy of the model. Build the Accelerator with common.distributed.build_accelerator, or launch "
+                "with --config_file accelerate_configs/cpu.yaml on a machine without GPUs."
+            )
+    elif os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_PORT" in os.environ:
+        # `accelerate launch --cpu --num_processes N` (N > 1) starts ONE process and only sets MASTER_PORT
+        raise UserError(
+            "`accelerate launch --cpu --num_processes N` starts a single process whatever N is. For N CPU "
+            "processes use `accelerate launch --config_file accelerate_configs/cpu.yaml` (set num_processes there "
+            "or pass --num_processes); for one process drop --num_processes."
+        )

@@ -1,0 +1,103 @@
+"""What a run writes: metrics.jsonl, the per-epoch summary line, trackers, the classification report, plots."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on compute nodes
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from sklearn.metrics import classification_report, confusion_matrix  # noqa: E402
+
+
+def describe_launch(accelerator, *, batch_size, grad_accum):
+    """One line on how the run is distributed, with the global batch size."""
+    global_batch = batch_size * accelerator.num_processes * grad_accum
+    return (f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}, "
+            f"mixed precision {accelerator.mixed_precision}; global batch {global_batch} "
+            f"= {batch_size} per process x {accelerator.num_processes} processes x {grad_accum} accumulation steps")
+
+
+def log_epoch(accelerator, output_dir, *, epoch, epochs, step, train, evaluation, lr, epoch_time_s):
+    """Build the epoch's record; append it to metrics.jsonl, send it to the trackers, print one summary line."""
+    record = {"epoch": epoch, "step": step, **train, "val_loss": evaluation["loss"],
+              "val_accuracy": evaluation["accuracy"], "val_samples": evaluation["samples"], "lr": lr,
+              "epoch_time_s": epoch_time_s}
+    accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
+    if accelerator.is_main_process:
+        with open(Path(output_dir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    accelerator.print(
+        f"epoch {epoch}/{epochs}  train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  "
+        f"val_accuracy {100 * record['val_accuracy']:.2f}% ({record['val_samples']} images)  "
+        f"lr {lr:.2e}  {record['images_per_s']:,.0f} img/s  {epoch_time_s:.1f}s"
+    )
+    return record
+
+
+def read_metrics(output_dir):
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_reports(output_dir, *, labels, predictions, class_names):
+    """classification_report.txt/.json, confusion_matrix.png and curves.png; returns the text report."""
+    output_dir = Path(output_dir)
+    label_ids = list(range(len(class_names)))
+    kwargs = dict(labels=label_ids, target_names=class_names, digits=4, zero_division=0)
+    text = classification_report(labels, predictions, **kwargs)
+    (output_dir / "classification_report.txt").write_text(text)
+    report = classification_report(labels, predictions, output_dict=True, **kwargs)
+    (output_dir / "classification_report.json").write_text(json.dumps(report, indent=2))
+    plot_confusion_matrix(output_dir / "confusion_matrix.png",
+                          confusion_matrix(labels, predictions, labels=label_ids), class_names)
+    plot_curves(output_dir / "curves.png", read_metrics(output_dir))
+    return text
+
+
+def plot_confusion_matrix(path, matrix, class_names):
+    size = max(5, 0.6 * len(class_names))
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(matrix, cmap="Blues")
+    fig.colorbar(image, ax=ax)
+    ticks = np.arange(len(class_names))
+    ax.set_xticks(ticks, class_names, rotation=45, ha="right")
+    ax.set_yticks(ticks, class_names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    threshold = matrix.max() / 2 if matrix.size else 0
+    for i, j in np.ndindex(matrix.shape):
+        ax.text(j, i, str(matrix[i, j]), ha="center", va="center", fontsize=8,
+                color="white" if matrix[i, j] > threshold else "black")
+    ax.set_title(f"confusion matrix ({matrix.sum()} images)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_curves(path, records):
+    epochs = [r["epoch"] for r in records]
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    loss_ax.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
+    loss_ax.plot(epochs, [r["val_loss"] for r in records], "o-", label="validation")
+    loss_ax.set(xlabel="epoch", ylabel="loss", title="loss")
+    loss_ax.legend()
+    acc_ax.plot(epochs, [100 * r["val_accuracy"] for r in records], "o-", color="tab:green")
+    acc_ax.set(xlabel="epoch", ylabel="accuracy (%)", title="validation accuracy")
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def finish_run(accelerator, output_dir, *, evaluation, class_names):
+    """Write the final reports from the last evaluation (main process), print them, close trackers."""
+    if accelerator.is_main_process:
+        report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
+                               class_names=class_names)
+        accelerator.print(f"classification report ({evaluation['samples']} images):\n{report}")
+        accelerator.print(f"outputs written to {output_dir}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

@@ -1,0 +1,96 @@
+"""Train ResNet-18 (CIFAR stem: 3x3 conv, stride 1, no max-pool) on CIFAR-10.
+
+Recipe: random crop (pad 4) + horizontal flip done on the device, SGD with Nesterov momentum 0.9,
+weight decay 5e-4, label smoothing 0.1, one-cycle LR (linear warmup over 20% of the steps, then
+linear decay to 0), batch 128 per process, test accuracy every epoch. `--lr` is used as given:
+scale it with the global batch size if you change that a lot.
+Accuracy and time: see README "Results" (only what was measured is reported there).
+
+Data (--data_dir): the official python batches (`cifar-10-batches-py/` or `cifar-10-python.tar.gz`),
+an ImageFolder tree with `train/` and `test/`, or `hf:NAME_OR_PATH` (a Hugging Face dataset with
+train and test splits). `--download` fetches the official batches when online.
+
+Launch:
+    accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_cifar.py --data_dir data --download
+    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_cifar.py --data_dir data
+    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_cifar.py --data_dir data --epochs 1
+"""
+
+import argparse
+import math
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, run  # noqa: E402
+from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, preprocess  # noqa: E402
+from common.distributed import build_accelerator  # noqa: E402
+from common.engine import build_lr_scheduler, evaluate, train_one_epoch  # noqa: E402
+from common.models import build_model  # noqa: E402
+from common.reporting import describe_launch, finish_run, log_epoch  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="resnet18_cifar",
+                        help="resnet18_cifar, or any timm model name (default: %(default)s)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD Nesterov momentum (default: %(default)s)")
+    add_common_args(parser, output_dir="outputs/cifar", epochs=30, batch_size=128, lr=0.1, weight_decay=5e-4,
+                    label_smoothing=0.1, schedule="onecycle")
+    return parser.parse_args(argv)
+
+
+def main(args):
+    check_args(args)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
+                                    report_to=args.report_to, output_dir=args.output_dir)
+    output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, accelerator=accelerator)
+    set_seed(args.seed)
+
+    # data: uint8 tensors in memory; crop, flip and normalise happen on the device
+    train_set, eval_set = build_cifar10(args.data_dir, download=args.download)
+    train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
+    eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
+    train_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True)
+    eval_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD)
+
+    # model and optimisation
+    model = build_model(args.model, num_classes=len(train_set.classes))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
+                                weight_decay=args.weight_decay)
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader)
+    total_steps = args.epochs * math.ceil(len(train_dataloader) / args.grad_accum)
+    total_steps = min(total_steps, args.max_steps or total_steps)
+    lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
+                                      warmup_fraction=args.warmup_fraction)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    accelerator.init_trackers("train_cifar", config=args_to_dict(args))
+    accelerator.print(f"CIFAR-10: {len(train_set)} train / {len(eval_set)} test images, {total_steps} optimizer "
+                      f"steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
+
+    # epoch loop
+    step = 0
+    for epoch in range(1, args.epochs + 1):
+        start = time.perf_counter()
+        train_dataloader.set_epoch(epoch)
+        train = train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, loss_fn=loss_fn,
+                                transform=train_transform, max_grad_norm=args.max_grad_norm,
+                                max_steps=total_steps - step, description=f"epoch {epoch}")
+        step += train["steps"]
+        evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform)
+        log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=step, train=train,
+                  evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
+        if step >= total_steps:
+            break
+    finish_run(accelerator, output_dir, evaluation=evaluation, class_names=train_set.classes)
+
+
+if __name__ == "__main__":
+    run(main, parse_args())

@@ -1,0 +1,85 @@
+"""Shared fixtures: real data (the CIFAR-10 JPEGs and Fashion-MNIST) and a helper that runs real launches."""
+
+import gzip
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATASETS = Path(os.environ.get("SHARED_DATASETS", REPO.parent / "shared" / "datasets"))
+CIFAR_JPEG_ARCHIVE = SHARED_DATASETS / "cifar10-train-jpeg.tar.gz"
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
+
+
+def require(path, how):
+    """Real data is part of the test; outside CI a missing file skips, in CI it fails."""
+    if not Path(path).exists():
+        message = f"{path} missing: {how}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def launch(*args, processes=2, cwd=None, env=None, timeout=600):
+    """`accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes N <args>`, captured."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+               "--num_processes", str(processes), *map(str, args)]
+    return run_command(command, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_command(command, *, cwd=None, env=None, timeout=600):
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    result = subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result.output = result.stdout + result.stderr
+    return result
+
+
+def write_idx(path, array):
+    """Write a uint8 array as an IDX file (gzipped when the name ends in .gz)."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    data = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    (gzip.open if str(path).endswith(".gz") else open)(path, "wb").write(data)
+
+
+@pytest.fixture(scope="session")
+def cifar_jpegs(tmp_path_factory):
+    """Real CIFAR-10 JPEGs as an ImageFolder tree: train/ 301 images, test/ 251 (sizes that divide by nothing)."""
+    require(CIFAR_JPEG_ARCHIVE, "the CIFAR-10 JPEG archive of shared/datasets")
+    root = tmp_path_factory.mktemp("cifar_jpegs")
+    images = {}  # class -> [(name, bytes)], the first 57 of each class in the archive
+    with tarfile.open(CIFAR_JPEG_ARCHIVE) as archive:
+        for member in archive:
+            parts = Path(member.name).parts
+            if member.isfile() and len(parts) >= 3 and parts[-3] == "train" and len(images.get(parts[-2], [])) < 57:
+                images.setdefault(parts[-2], []).append((parts[-1], archive.extractfile(member).read()))
+    assert len(images) == 10, f"expected 10 classes in {CIFAR_JPEG_ARCHIVE}, found {sorted(images)}"
+    for i, name in enumerate(sorted(images)):
+        extra = int(i == 0)  # one more train and test image in the first class: 301 and 251
+        for split, chunk in (("train", images[name][:30 + extra]), ("test", images[name][30 + extra:55 + 2 * extra])):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for filename, data in chunk:
+                (root / split / name / filename).write_bytes(data)
+    return root
+
+
+@pytest.fixture(scope="session")
+def fashion_subset(tmp_path_factory):
+    """The first 2,001 training and 1,001 test images of the real Fashion-MNIST, as IDX files (gz and plain)."""
+    require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
+    from common.data import read_idx
+
+    root = tmp_path_factory.mktemp("fashion_subset")
+    for split, count, suffix in (("train", 2001, ".gz"), ("t10k", 1001, "")):
+        for kind in ("images-idx3", "labels-idx1"):
+            array = read_idx(FASHION_MNIST / f"{split}-{kind}-ubyte.gz")[:count]
+            write_idx(root / f"{split}-{kind}-ubyte{suffix}", array)
+    return root
+
+
+sys.path.insert(0, str(REPO))

@@ -1,0 +1,195 @@
+"""Unit tests of the builders in common/: data sources, device transforms, models."""
+
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.cli import UserError
+from common.data import (CIFAR10_CLASSES, build_cifar10, build_dataloader, build_digits, build_mnist,
+                         load_image_folder, preprocess, read_idx)
+from common.models import build_model
+from conftest import FASHION_MNIST, require, write_idx
+
+
+# --- IDX / MNIST ---------------------------------------------------------------------------------
+
+def test_read_idx_plain_and_gz_agree(tmp_path):
+    array = np.random.default_rng(0).integers(0, 256, size=(7, 28, 28), dtype=np.uint8)
+    write_idx(tmp_path / "a-idx3-ubyte", array)
+    write_idx(tmp_path / "a-idx3-ubyte.gz", array)
+    np.testing.assert_array_equal(read_idx(tmp_path / "a-idx3-ubyte"), array)
+    np.testing.assert_array_equal(read_idx(tmp_path / "a-idx3-ubyte.gz"), array)
+
+
+def test_read_idx_truncated_file_names_it(tmp_path):
+    path = tmp_path / "train-images-idx3-ubyte"
+    write_idx(path, np.zeros((5, 28, 28), dtype=np.uint8))
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(UserError, match="train-images-idx3-ubyte is truncated"):
+        read_idx(path)
+
+
+def test_real_fashion_mnist_from_debian_package():
+    require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
+    train, test = build_mnist(FASHION_MNIST, name="fashion_mnist")
+    assert train.images.shape == (60000, 1, 28, 28) and train.images.dtype == torch.uint8
+    assert test.images.shape == (10000, 1, 28, 28)
+    assert torch.bincount(test.labels).tolist() == [1000] * 10
+    assert train.classes[0] == "T-shirt/top" and train.classes[9] == "Ankle boot"
+
+
+def test_mnist_torchvision_layout(tmp_path, fashion_subset):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for path in fashion_subset.iterdir():
+        (raw / path.name).write_bytes(path.read_bytes())
+    train, test = build_mnist(tmp_path, name="fashion_mnist")
+    assert (len(train), len(test)) == (2001, 1001)
+
+
+def test_missing_mnist_names_paths_layouts_and_download(tmp_path):
+    with pytest.raises(UserError) as error:
+        build_mnist(tmp_path / "nowhere", name="mnist")
+    message = str(error.value)
+    assert str(tmp_path / "nowhere") in message and "train-images-idx3-ubyte" in message and "--download" in message
+
+
+def test_digits_split_is_stratified_and_uint8():
+    train, test = build_digits()
+    assert len(train) + len(test) == 1797 and train.images.shape[1:] == (1, 8, 8)
+    assert train.images.max() == 255 and train.images.dtype == torch.uint8
+    counts = torch.bincount(test.labels)
+    assert counts.min() >= 43 and counts.max() <= 46
+
+
+# --- CIFAR-10 sources ----------------------------------------------------------------------------
+
+def write_cifar_batches(folder, train, test):
+    """The official python-batch format, written from real images."""
+    folder.mkdir(parents=True)
+    for name, dataset in (("data_batch_1", train), ("test_batch", test)):
+        entry = {b"data": dataset.images.reshape(len(dataset), -1).numpy(), b"labels": dataset.labels.tolist()}
+        (folder / name).write_bytes(pickle.dumps(entry))
+
+
+def test_cifar_folder_batches_archive_and_hf_give_the_same_pixels(tmp_path, cifar_jpegs):
+    train, test = build_cifar10(cifar_jpegs)
+    assert train.classes == CIFAR10_CLASSES
+    assert train.images.shape == (301, 3, 32, 32) and test.images.shape == (251, 3, 32, 32)
+
+    write_cifar_batches(tmp_path / "cifar-10-batches-py", train, test)
+    from_batches = build_cifar10(tmp_path)
+    (tmp_path / "archive").mkdir()
+    with tarfile.open(tmp_path / "archive" / "cifar-10-python.tar.gz", "w:gz") as archive:
+        archive.add(tmp_path / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    from_archive = build_cifar10(tmp_path / "archive")
+
+    import datasets
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CIFAR10_CLASSES)})
+    splits = datasets.DatasetDict({
+        split: datasets.Dataset.from_dict(
+            {"img": [Image.fromarray(x.permute(1, 2, 0).numpy()) for x in ds.images], "label": ds.labels.tolist()},
+            features=features)
+        for split, ds in (("train", train), ("test", test))})
+    splits.save_to_disk(tmp_path / "hf")
+    from_hf = build_cifar10(f"hf:{tmp_path / 'hf'}")
+
+    for other_train, other_test in (from_batches, from_archive, from_hf):
+        assert torch.equal(other_train.images, train.images) and torch.equal(other_train.labels, train.labels)
+        assert torch.equal(other_test.images, test.images) and torch.equal(other_test.labels, test.labels)
+
+
+def test_cifar_batches_refuse_code_in_pickles(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    (folder / "data_batch_1").write_bytes(pickle.dumps({b"data": print}))
+    (folder / "test_batch").write_bytes(b"")
+    with pytest.raises(UserError, match="data_batch_1 is not a readable CIFAR-10 batch file"):
+        build_cifar10(tmp_path)
+
+
+def test_missing_cifar_names_layouts_and_download(tmp_path):
+    with pytest.raises(UserError) as error:
+        build_cifar10(tmp_path)
+    message = str(error.value)
+    for expected in ("cifar-10-batches-py", "cifar-10-python.tar.gz", "train/<class>", "hf:", "--download"):
+        assert expected in message
+
+
+def test_image_folder_names_corrupt_image_and_empty_class(tmp_path, cifar_jpegs):
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "dog").mkdir()
+    first = next((cifar_jpegs / "train" / "cat").iterdir())
+    (tmp_path / "cat" / "good.jpg").write_bytes(first.read_bytes())
+    with pytest.raises(UserError, match="class folder .*dog has no images"):
+        load_image_folder(tmp_path, size=(32, 32))
+    (tmp_path / "dog" / "broken.jpg").write_bytes(first.read_bytes()[:200])
+    with pytest.raises(UserError, match="broken.jpg"):
+        load_image_folder(tmp_path, size=(32, 32))
+
+
+# --- batches and device transforms ---------------------------------------------------------------
+
+def test_dataloader_fetches_whole_batches(cifar_jpegs):
+    train, _ = build_cifar10(cifar_jpegs)
+    batch = next(iter(build_dataloader(train, batch_size=64, shuffle=False)))
+    assert batch["image"].shape == (64, 3, 32, 32) and batch["image"].dtype == torch.uint8
+    assert torch.equal(batch["index"], torch.arange(64))
+    assert torch.equal(batch["image"], train.images[:64])
+
+
+def test_preprocess_crops_are_shifted_windows_and_flips_mirror():
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
+    out = (preprocess(images, mean=(0, 0, 0), std=(1, 1, 1), padding=2, flip=True) * 255).round()
+    padded = torch.nn.functional.pad(images, (2, 2, 2, 2)).float()
+    shifts = set()
+    for i in range(len(images)):
+        windows = {(dy, dx): padded[i, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)}
+        matches = [(shift, flipped) for shift, window in windows.items() for flipped in (False, True)
+                   if torch.equal(out[i], window.flip(2) if flipped else window)]
+        assert matches, f"sample {i} is not a (flipped) crop of its padded image"
+        shifts.update(matches)
+    assert len(shifts) > 10, "crops and flips should differ between samples"
+
+
+def test_preprocess_normalises():
+    images = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
+    out = preprocess(images, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    assert torch.allclose(out, torch.full_like(out, 2.0))
+
+
+# --- models --------------------------------------------------------------------------------------
+
+def test_resnet18_cifar_stem_keeps_resolution():
+    model = build_model("resnet18_cifar", num_classes=10)
+    assert (model.conv1.kernel_size, model.conv1.stride) == ((3, 3), (1, 1))
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    features = model.layer1(model.relu(model.bn1(model.conv1(torch.zeros(2, 3, 32, 32)))))
+    assert features.shape == (2, 64, 32, 32)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_mnist_convnet_layers_match_the_seed():
+    model = build_model("mnist_convnet", num_classes=10, in_chans=1)
+    convs = [m for m in model if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.out_channels, c.kernel_size, c.stride, c.bias is not None) for c in convs] == [
+        (12, (3, 3), (1, 1), False), (24, (6, 6), (2, 2), False), (32, (6, 6), (2, 2), True)]
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["Conv2d", "BatchNorm2d", "ReLU", "Conv2d", "BatchNorm2d", "ReLU", "Conv2d", "BatchNorm2d",
+                     "ReLU", "AdaptiveAvgPool2d", "Flatten", "Linear", "ReLU", "Dropout", "Linear"]
+    assert model[11].out_features == 256 and model[13].p == 0.5
+    x = torch.zeros(3, 1, 28, 28)
+    assert model[:3](x).shape == (3, 12, 28, 28)  # "same"
+    assert model[:6](x).shape == (3, 24, 12, 12)  # valid, stride 2
+    assert model[:9](x).shape == (3, 32, 6, 6)  # Keras "same", stride 2: ceil(12 / 2)
+    assert model(x).shape == (3, 10) and model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+
+
+def test_any_timm_model_by_name():
+    model = build_model("resnet18", num_classes=12)
+    assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 12)
