@@ -1,6 +1,5 @@
 """Command-line plumbing shared by the scripts: the common flags, user errors, the output folder."""
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -82,9 +81,3 @@ def args_to_dict(args):
     return {key: (value if isinstance(value, (int, float, str, bool)) or value is None else str(value))
             for key, value in vars(args).items()}
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value

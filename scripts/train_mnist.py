@@ -6,7 +6,8 @@ conv 32@6x6/2 -> BN -> ReLU, global average pool, dense 256, dropout 0.5, dense 
 Recipe: the seed trained it with Adam 1e-3 at a constant LR, batch 64, 2 epochs (and no shuffling).
 Ours keeps the model, the batch and the 2 epochs and changes only the optimisation: AdamW at a
 higher peak LR on a one-cycle schedule, shuffled data, light label smoothing. Measured on
-Fashion-MNIST, 2 CPU processes (see README "Results"): RESULTS_MNIST.
+Fashion-MNIST with 2 CPU processes on 2 cores: 89.0-89.4% test accuracy over three seeds, about 50 s
+for the whole launch; the seed's recipe on the same setup: 85.7% (README "Results").
 The seed's recipe is `--lr 1e-3 --schedule constant --weight_decay 0 --label_smoothing 0`.
 
 Launch:
@@ -39,7 +40,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=["mnist", "fashion_mnist", "digits"], default="mnist",
                         help="digits is scikit-learn's bundled set: no download, no --data_dir (default: %(default)s)")
-    add_common_args(parser, output_dir="outputs/mnist", epochs=2, batch_size=64, lr=3e-3, weight_decay=1e-4,
+    add_common_args(parser, output_dir="outputs/mnist", epochs=2, batch_size=64, lr=1e-2, weight_decay=1e-4,
                     label_smoothing=0.05, schedule="onecycle")
     return parser.parse_args(argv)
 

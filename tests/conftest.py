@@ -35,7 +35,7 @@ def launch(*args, processes=2, cwd=None, env=None, timeout=600):
 
 def run_command(command, *, cwd=None, env=None, timeout=600):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(list(map(str, command)), cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
 

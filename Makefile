@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine (Python 3.10+ with venv):
+#   make demo   set up, then train the offline digits demo with 2 CPU processes
+#   make test   set up, then run the whole test suite (installs Debian's Fashion-MNIST if missing)
+VENV ?= .venv
+PYTHON ?= python3
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+.PHONY: setup demo test test-fast
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -r requirements-dev.txt
+	touch $@
+
+$(FASHION_MNIST):
+	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+demo: setup
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_mnist.py \
+		--dataset digits --epochs 20 --output_dir outputs/digits --overwrite
+
+test: setup $(FASHION_MNIST)
+	$(VENV)/bin/python -m pytest
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not slow"

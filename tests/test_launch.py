@@ -1,0 +1,158 @@
+"""Real `accelerate launch` runs on CPU: two processes share the work, evaluation counts each sample once."""
+
+import json
+import shutil
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import FASHION_MNIST, REPO, launch, require, run_command
+
+pytestmark = pytest.mark.slow
+
+
+def read_run(output_dir):
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    report = json.loads((output_dir / "classification_report.json").read_text())
+    return metrics, report
+
+
+def assert_two_processes_shared_the_data(metrics, *, train_size, batch_size):
+    for record in metrics:
+        per_process = record["train_samples_per_process"]
+        assert len(per_process) == 2 and per_process[0] == per_process[1]
+        # disjoint halves: together they cover every image once; the only repeats are the
+        # padding Accelerate adds so both processes take the same number of batches
+        assert record["train_unique_samples"] == train_size
+        assert train_size <= record["train_samples"] < train_size + 2 * batch_size
+        assert record["train_samples"] < 2 * train_size  # independent copies would each see everything
+
+
+def assert_each_test_sample_counted_once(metrics, report, labels, class_names):
+    counts = torch.bincount(labels, minlength=len(class_names)).tolist()
+    assert [report[name]["support"] for name in class_names] == counts
+    assert report["macro avg"]["support"] == len(labels)
+    assert all(record["val_samples"] == len(labels) for record in metrics)
+
+
+def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_path, fashion_subset):
+    from common.data import build_mnist
+
+    output_dir = tmp_path / "run"
+    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", fashion_subset,
+                    "--output_dir", output_dir, "--epochs", 2, "--batch_size", 64)
+    assert result.returncode == 0, result.output
+    assert "2 process(es), MULTI_CPU" in result.output and "global batch 128" in result.output
+    metrics, report = read_run(output_dir)
+    assert [r["epoch"] for r in metrics] == [1, 2]
+    assert_two_processes_shared_the_data(metrics, train_size=2001, batch_size=64)
+    _, test = build_mnist(fashion_subset, name="fashion_mnist")
+    assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
+    assert metrics[1]["train_loss"] < metrics[0]["train_loss"]
+    for name in ("classification_report.txt", "confusion_matrix.png", "curves.png"):
+        assert (output_dir / name).stat().st_size > 0
+
+
+def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
+    from common.data import build_cifar10
+
+    output_dir = tmp_path / "run"
+    result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", cifar_jpegs, "--output_dir", output_dir,
+                    "--epochs", 1, "--batch_size", 32)
+    assert result.returncode == 0, result.output
+    metrics, report = read_run(output_dir)
+    assert_two_processes_shared_the_data(metrics, train_size=301, batch_size=32)
+    _, test = build_cifar10(cifar_jpegs)
+    assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
+    assert "airplane" in (output_dir / "classification_report.txt").read_text()
+
+
+def test_cifar_official_batches_path(tmp_path, cifar_jpegs):
+    from common.data import build_cifar10
+    from test_builders import write_cifar_batches
+
+    train, test = build_cifar10(cifar_jpegs)
+    write_cifar_batches(tmp_path / "data" / "cifar-10-batches-py", train, test)
+    output_dir = tmp_path / "run"
+    result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", tmp_path / "data", "--output_dir", output_dir,
+                    "--epochs", 1, "--batch_size", 32)
+    assert result.returncode == 0, result.output
+    metrics, report = read_run(output_dir)
+    assert_two_processes_shared_the_data(metrics, train_size=301, batch_size=32)
+    assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
+
+
+def test_fashion_mnist_defaults_reach_88_percent_in_two_epochs(tmp_path):
+    require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
+    output_dir = tmp_path / "run"
+    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", FASHION_MNIST,
+                    "--output_dir", output_dir)
+    assert result.returncode == 0, result.output
+    metrics, report = read_run(output_dir)
+    assert len(metrics) == 2 and metrics[-1]["val_samples"] == 10000
+    assert metrics[-1]["train_unique_samples"] == 60000
+    assert report["accuracy"] >= 0.88, f"test accuracy {report['accuracy']:.4f} after 2 epochs"
+
+
+def test_copied_scripts_run_from_another_directory(tmp_path):
+    project = tmp_path / "my_project"
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    (project / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "train_mnist.py", project / "scripts")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = run_command([sys.executable, str(project / "scripts" / "train_mnist.py"), "--dataset", "digits",
+                          "--epochs", 1, "--output_dir", "out"], cwd=elsewhere)
+    assert result.returncode == 0, result.output
+    assert (elsewhere / "out" / "classification_report.json").exists()
+    assert json.loads((elsewhere / "out" / "classification_report.json").read_text())["macro avg"]["support"] == 450
+
+
+def test_cpu_flag_with_two_processes_is_refused(tmp_path):
+    # Accelerate's `--cpu --num_processes 2` quietly starts one process: we stop it instead
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+               str(REPO / "scripts" / "train_mnist.py"), "--dataset", "digits", "--output_dir", tmp_path / "run"]
+    result = run_command(command)
+    assert result.returncode != 0
+    assert "error: `accelerate launch --cpu --num_processes N` starts a single process" in result.output
+    assert "accelerate_configs/cpu.yaml" in result.output
+    assert "UserError" not in result.output  # our message, not our traceback (the launcher prints its own)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_process_count_mismatch_is_refused(tmp_path):
+    # the classic trap: torchrun starts 2 processes, a plain Accelerator() on a CPU machine joins none of them
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from accelerate import Accelerator
+        from common.cli import run
+        from common.distributed import check_process_count
+        run(lambda accelerator: (check_process_count(accelerator), print("trained")), Accelerator())
+    """))
+    result = launch(probe)
+    assert result.returncode != 0
+    assert "error: the launcher started 2 processes (WORLD_SIZE=2) but Accelerate joined 1" in result.output
+    assert "trained" not in result.output
+
+
+def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_path):
+    train = [sys.executable, REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--epochs", 1,
+             "--output_dir", tmp_path / "run", "--report_to", "tensorboard"]
+    first = run_command(train, env={"HF_HUB_OFFLINE": "1"})
+    assert first.returncode == 0, first.output
+    assert list((tmp_path / "run").glob("train_mnist/events.out.tfevents.*"))
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+
+    again = run_command(train)
+    assert again.returncode == 2
+    assert "already holds a run" in again.output and "--overwrite" in again.output
+    assert "Traceback" not in again.output
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+    overwritten = run_command(train + ["--overwrite"])
+    assert overwritten.returncode == 0, overwritten.output
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
