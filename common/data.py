@@ -199,6 +199,18 @@ def _from_hf_split(split, name):
                            split.features[label_column].names)
 
 
+def decode_image(path, *, size, channels):
+    """One image file -> uint8 array (H, W, C), converted to RGB or grayscale and resized (bilinear) to `size`.
+
+    Raises OSError or ValueError for a file that is not a readable image.
+    """
+    with Image.open(path) as image:
+        image = image.convert("L" if channels == 1 else "RGB")
+        if image.size != (size[1], size[0]):
+            image = image.resize((size[1], size[0]), Image.BILINEAR)
+        return np.asarray(image).reshape(size[0], size[1], channels)
+
+
 def load_image_folder(root, *, size):
     """Decode a `root/<class>/<image>` tree into an InMemoryDataset of RGB images resized to `size`."""
     root = Path(root)
@@ -215,9 +227,7 @@ def load_image_folder(root, *, size):
 
     def decode(path):
         try:
-            with Image.open(path) as image:
-                image = image.convert("RGB")
-                return np.asarray(image if image.size == size else image.resize(size, Image.BILINEAR))
+            return decode_image(path, size=size, channels=3)
         except (OSError, ValueError) as error:
             raise UserError(f"cannot read image {path}: {error}") from None
 

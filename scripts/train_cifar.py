@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.checkpoint import save_best_model  # noqa: E402
 from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, run  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
@@ -59,8 +60,12 @@ def main(args):
     train_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True)
     eval_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD)
 
-    # model and optimisation
-    model = build_model(args.model, num_classes=len(train_set.classes))
+    # model and optimisation; model_meta goes into best/meta.json so predict.py can rebuild the model
+    model_meta = {"architecture": args.model,
+                  "model_kwargs": {"num_classes": len(train_set.classes), "in_chans": 3},
+                  "class_names": train_set.classes, "image_size": [32, 32], "mean": CIFAR10_MEAN, "std": CIFAR10_STD,
+                  "args": args_to_dict(args)}
+    model = build_model(model_meta["architecture"], **model_meta["model_kwargs"])
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
@@ -76,7 +81,7 @@ def main(args):
                       f"steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     # epoch loop
-    step = 0
+    step, best_accuracy = 0, -1.0
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
         train_dataloader.set_epoch(epoch)
@@ -87,6 +92,10 @@ def main(args):
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform)
         log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=step, train=train,
                   evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
+        if evaluation["accuracy"] > best_accuracy:
+            best_accuracy = evaluation["accuracy"]
+            save_best_model(accelerator, model, output_dir, meta={**model_meta, "epoch": epoch,
+                                                                  "metric": "val_accuracy", "value": best_accuracy})
         if step >= total_steps:
             break
     finish_run(accelerator, output_dir, evaluation=evaluation, class_names=train_set.classes)

@@ -28,6 +28,7 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.checkpoint import save_best_model  # noqa: E402
 from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, run  # noqa: E402
 from common.data import build_dataloader, build_digits, build_mnist, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
@@ -59,10 +60,14 @@ def main(args):
         train_set, eval_set = build_mnist(args.data_dir, name=args.dataset, download=args.download)
     train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
-    transform = partial(preprocess, mean=(0.0,), std=(1.0,))
+    transform = partial(preprocess, mean=(0.0,), std=(1.0,))  # the model's Keras "rescale"
 
-    # model and optimisation
-    model = build_model("mnist_convnet", num_classes=len(train_set.classes), in_chans=1)
+    # model and optimisation; model_meta goes into best/meta.json so predict.py can rebuild the model
+    model_meta = {"architecture": "mnist_convnet",
+                  "model_kwargs": {"num_classes": len(train_set.classes), "in_chans": 1},
+                  "class_names": train_set.classes, "image_size": list(train_set.images.shape[2:]),
+                  "mean": [0.0], "std": [1.0], "args": args_to_dict(args)}
+    model = build_model(model_meta["architecture"], **model_meta["model_kwargs"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
@@ -77,7 +82,7 @@ def main(args):
                       f"{total_steps} optimizer steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     # epoch loop
-    step = 0
+    step, best_accuracy = 0, -1.0
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
         train_dataloader.set_epoch(epoch)
@@ -88,6 +93,10 @@ def main(args):
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=transform)
         log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=step, train=train,
                   evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
+        if evaluation["accuracy"] > best_accuracy:
+            best_accuracy = evaluation["accuracy"]
+            save_best_model(accelerator, model, output_dir, meta={**model_meta, "epoch": epoch,
+                                                                  "metric": "val_accuracy", "value": best_accuracy})
         if step >= total_steps:
             break
     finish_run(accelerator, output_dir, evaluation=evaluation, class_names=train_set.classes)

@@ -1,0 +1,84 @@
+"""Predict classes for images with a trained `best/` folder (model.safetensors + meta.json).
+
+Same preprocessing as evaluation: convert to the model's channels, resize to its image size
+(bilinear), normalise with the mean/std in meta.json. Needs no training script and no pickled code.
+Unreadable images are reported by name and skipped; the rest are still predicted.
+
+    python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
+"""
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.checkpoint import load_best_model  # noqa: E402
+from common.cli import UserError, run  # noqa: E402
+from common.data import IMAGE_EXTENSIONS, decode_image, preprocess  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("inputs", nargs="+", help="image files and/or folders (searched recursively)")
+    parser.add_argument("--model_dir", required=True, help="a best/ folder written by a training script")
+    parser.add_argument("--output", default="predictions.csv", help="CSV to write (default: %(default)s)")
+    parser.add_argument("--top_k", type=int, default=3, help="classes per image (default: %(default)s)")
+    parser.add_argument("--batch_size", type=int, default=64, help="default: %(default)s")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default: %(default)s")
+    return parser.parse_args(argv)
+
+
+def find_images(inputs):
+    paths = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            paths += sorted(p for p in item.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        elif item.is_file():
+            paths.append(item)
+        else:
+            raise UserError(f"{item} does not exist")
+    if not paths:
+        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
+    return paths
+
+
+@torch.inference_mode()
+def main(args):
+    model, meta = load_best_model(args.model_dir)
+    model.to(args.device)
+    classes, size, channels = meta["class_names"], meta["image_size"], meta["model_kwargs"]["in_chans"]
+    top_k = min(args.top_k, len(classes))
+    paths = find_images(args.inputs)
+    rows, failures = [], []
+    for start in range(0, len(paths), args.batch_size):
+        batch, kept = [], []
+        for path in paths[start:start + args.batch_size]:
+            try:
+                batch.append(decode_image(path, size=size, channels=channels))
+                kept.append(path)
+            except (OSError, ValueError) as error:
+                failures.append(path)
+                print(f"skipped {path}: not a readable image ({error})", file=sys.stderr)
+        if not batch:
+            continue
+        images = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2).to(args.device)
+        probabilities = model(preprocess(images, mean=meta["mean"], std=meta["std"])).float().softmax(1)
+        top = probabilities.topk(top_k, dim=1)
+        for path, values, indices in zip(kept, top.values.tolist(), top.indices.tolist()):
+            rows.append([str(path)] + [item for i, p in zip(indices, values) for item in (classes[i], f"{p:.6f}")])
+
+    with open(args.output, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["file"] + [f"{kind}_{k}" for k in range(1, top_k + 1) for kind in ("class", "probability")])
+        writer.writerows(rows)
+    print(f"predicted {len(rows)} images -> {args.output}" + (f"; skipped {len(failures)} unreadable" if failures else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    run(main, parse_args())
