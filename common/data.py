@@ -52,12 +52,10 @@ def _batch_is_ready(batch):
     return batch
 
 
-def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=0, pin_memory=False):
+def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False):
     """A DataLoader over an InMemoryDataset; the batch is already built, so collation is the identity."""
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, collate_fn=_batch_is_ready,
-        num_workers=num_workers, pin_memory=pin_memory,
-    )
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                                       collate_fn=_batch_is_ready)
 
 
 def preprocess(images, *, mean, std, padding=0, flip=False):
