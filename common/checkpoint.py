@@ -4,7 +4,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
