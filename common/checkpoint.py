@@ -1,14 +1,23 @@
-"""The best model as safetensors + meta.json: no pickled code, loadable without the training script."""
+"""Checkpoints (exact resume) and the best model (safetensors + meta.json), each written so a kill cannot break them.
 
+A checkpoint is `accelerator.save_state` (model and optimizer, grad scaler, RNG of every process) plus
+trainer_state.json: where the run stands (epoch, batch within it, step, best accuracy, the epoch's running
+totals), the LR schedule, the model description and the run's arguments. Nothing is unpickled on resume
+except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for all of it.
+"""
+
+import csv
 import json
 import os
+import shutil
 from pathlib import Path
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .cli import UserError
+from .cli import RUN_FILES, UserError
 from .models import build_model
+from .reporting import read_metrics
 
 
 def _write_atomically(path, write):
@@ -18,16 +27,56 @@ def _write_atomically(path, write):
     os.replace(tmp, path)
 
 
-def save_best_model(accelerator, model, output_dir, *, meta):
-    """Write best/model.safetensors then best/meta.json (architecture, model_kwargs, classes, preprocessing, ...)."""
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder):
+    """Flush a folder's files and the folder itself to disk: a rename must not publish data still in memory."""
+    for path in [*Path(folder).rglob("*"), Path(folder)]:
+        _fsync(path)
+
+
+def _publish(tmp, final):
+    """Put the complete folder `tmp` in the place of `final`.
+
+    Two renames: a kill between them leaves `final` missing and `.old` complete, which the next call puts back.
+    """
+    old = final.with_name(f".{final.name}.old")
+    if old.exists() and not final.exists():
+        os.replace(old, final)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_tree(tmp)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
+    """Replace best/ as a whole: model.safetensors, meta.json (architecture, model_kwargs, classes,
+    preprocessing, epoch, metric, arguments) and val_predictions.csv (this evaluation, per image)."""
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
     best = Path(output_dir) / "best"
-    best.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()}
-    _write_atomically(best / "model.safetensors", lambda tmp: save_file(tensors, tmp))
-    _write_atomically(best / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
+    tmp = best.with_name(".best.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
+              tmp / "model.safetensors")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    classes = meta["class_names"]
+    with open(tmp / "val_predictions.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["index", "label", "prediction", "probability"])
+        for i, (label, probabilities) in enumerate(zip(evaluation["labels"], evaluation["probabilities"])):
+            writer.writerow([i, classes[label], classes[probabilities.argmax()], f"{probabilities.max():.6f}"])
+    _publish(tmp, best)
 
 
 def load_best_model(model_dir):
@@ -42,25 +91,146 @@ def load_best_model(model_dir):
         model = build_model(meta["architecture"], **meta["model_kwargs"])
     except (ValueError, KeyError, TypeError) as error:
         raise UserError(f"{meta_path} is not a model description written by our training scripts ({error})") from None
-    try:
-        state_dict = load_file(weights_path)
-    except (SafetensorError, OSError) as error:
-        raise UserError(f"{weights_path} is corrupt or not a safetensors file ({error})") from None
-    check_state_dict(model, state_dict, expected=f"{meta['architecture']} with {meta['model_kwargs']}",
-                     source=weights_path)
-    model.load_state_dict(state_dict)
+    check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
+    model.load_state_dict(load_file(weights_path))
     return model.eval(), meta
 
 
-def check_state_dict(model, state_dict, *, expected, source):
-    """Name both sides when weights do not fit the model, instead of PyTorch's list of keys."""
-    own = model.state_dict()
-    missing, unexpected = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
-    mismatched = [(k, tuple(state_dict[k].shape), tuple(v.shape)) for k, v in own.items()
-                  if k in state_dict and state_dict[k].shape != v.shape]
+def check_weights(model, weights_path, *, expected):
+    """Name both sides when a safetensors file does not fit the model, instead of PyTorch's list of keys."""
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"{weights_path} is corrupt or not a safetensors file ({error})") from None
+    own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    missing, unexpected = own.keys() - shapes.keys(), shapes.keys() - own.keys()
+    mismatched = [(k, shapes[k], shape) for k, shape in own.items() if k in shapes and shapes[k] != shape]
     if missing or unexpected or mismatched:
         detail = (f"{len(missing)} tensors missing, {len(unexpected)} unexpected" if missing or unexpected else
                   "shapes differ, e.g. {} is {} in the file but {} in the model".format(*mismatched[0]))
-        raise UserError(f"the weights in {source} do not fit {expected}: {detail}. They come from another "
+        raise UserError(f"the weights in {weights_path} do not fit {expected}: {detail}. They come from another "
                         "architecture or class count; use the meta.json written beside them.")
 
+
+def checkpoint_name(progress):
+    """epoch_002_batch_000120 inside epoch 2, epoch_002_end after its evaluation: the names sort in training order."""
+    if progress["batch"]:
+        return f"epoch_{progress['epoch']:03d}_batch_{progress['batch']:06d}"
+    return f"epoch_{progress['epoch'] - 1:03d}_end"
+
+
+def save_checkpoint(accelerator, output_dir, progress, *, lr_scheduler, meta, keep):
+    """Save the run into output_dir/checkpoints/NAME and point `latest` at it; a kill at any moment leaves
+    `latest` naming a complete checkpoint. Every process calls it. Keeps the newest `keep`; returns the path.
+
+    Every process writes into checkpoints/.tmp-NAME (its RNG state; the main process the rest), then the
+    main process adds trainer_state.json, flushes it all to disk and renames the folder, which is atomic;
+    only then does it rewrite `latest` (atomically too) and delete old checkpoints.
+    """
+    checkpoints = Path(output_dir) / "checkpoints"
+    name = checkpoint_name(progress)
+    tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp, safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {**progress, "lr_scheduler": lr_scheduler.state_dict(), "num_processes": accelerator.num_processes,
+                 **meta}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():  # the same point saved before (a resumed run that stopped again at once)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
+        _fsync(checkpoints)
+        names = sorted(path.name for path in checkpoints.glob("epoch_*"))  # training order; `name` is the last
+        for stale in [*checkpoints.glob(".tmp-*"), *(checkpoints / old for old in names[:-keep])]:
+            shutil.rmtree(stale)  # a .tmp- folder is a save that was killed
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_checkpoint(output_dir, resume):
+    """The checkpoint --resume names (`latest` in output_dir/checkpoints, or a folder): its trainer state + "path".
+
+    Reads only JSON, so it can run before anything is built: a resumed run takes its arguments from it.
+    """
+    output_dir = Path(output_dir)
+    if resume == "latest":
+        pointer = output_dir / "checkpoints" / "latest"
+        if not pointer.is_file():
+            raise UserError(f"--resume latest: no checkpoint in {pointer.parent} ({pointer.name} not found). "
+                            "Check --output_dir, or start a new run without --resume.")
+        path = pointer.parent / pointer.read_text().strip()
+    else:
+        path = Path(resume)
+    state_path = path / "trainer_state.json"
+    if not state_path.is_file():
+        raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). Pass "
+                        "`latest` or a folder from OUTPUT_DIR/checkpoints/.")
+    try:
+        state = json.loads(state_path.read_text())
+        complete = {"args", "architecture", "model_kwargs", "epoch", "batch", "step"} <= state.keys()
+    except (ValueError, AttributeError):
+        complete = False
+    if not complete:
+        raise UserError(f"{state_path} is damaged or not written by our training scripts; "
+                        "resume from another checkpoint in that folder")
+    run_dir = path.resolve().parent.parent
+    if run_dir != output_dir.resolve() and any((output_dir / name).exists() for name in RUN_FILES):
+        raise UserError(f"{path} comes from the run in {run_dir}, but --output_dir {output_dir} holds another run. "
+                        f"Resume with --output_dir {run_dir}, or into an empty --output_dir.")
+    return {**state, "path": path}
+
+
+def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler, meta, total_steps):
+    """Restore a checkpoint from `find_checkpoint` into the prepared objects; returns the run's progress.
+
+    Refuses, with both sides named, a checkpoint of another model or class count, one from a finished run,
+    and a mid-epoch one written by another number of processes (the data shards would differ). The main
+    process then drops what the run wrote after the checkpoint: later checkpoints and metrics lines.
+    """
+    path = checkpoint["path"]
+    theirs = (checkpoint["architecture"], checkpoint["model_kwargs"])
+    if theirs != (meta["architecture"], meta["model_kwargs"]):
+        raise UserError(f"checkpoint {path} holds {theirs[0]} with {theirs[1]}, but this run builds "
+                        f"{meta['architecture']} with {meta['model_kwargs']}. Resume it with the script and data "
+                        "it was trained on, or start a new run.")
+    check_weights(accelerator.unwrap_model(model), path / "model.safetensors",
+                  expected=f"{meta['architecture']} with {meta['model_kwargs']}")
+    if checkpoint["step"] >= total_steps:
+        raise UserError(f"checkpoint {path} is the end of a finished run (step {checkpoint['step']} of "
+                        f"{total_steps}): nothing to resume. Its best model is in best/.")
+    if checkpoint["batch"] and checkpoint["num_processes"] != accelerator.num_processes:
+        raise UserError(f"checkpoint {path} was written inside an epoch by {checkpoint['num_processes']} processes; "
+                        f"this launch has {accelerator.num_processes}. Resume it with "
+                        f"{checkpoint['num_processes']} processes, or from an epoch_*_end checkpoint.")
+    if checkpoint["num_processes"] != accelerator.num_processes:
+        accelerator.print(f"warning: {path} was written by {checkpoint['num_processes']} processes and this launch "
+                          f"has {accelerator.num_processes}: the global batch changes, so the run will not match "
+                          "an uninterrupted one")
+    try:
+        accelerator.load_state(path)
+    except (RuntimeError, OSError, ValueError, KeyError, SafetensorError) as error:
+        raise UserError(f"checkpoint {path} is damaged ({error}); resume from an earlier one in "
+                        f"{path.parent}") from None
+    lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+    progress = {key: checkpoint[key] for key in ("epoch", "batch", "step", "best_accuracy", "epoch_totals")
+                if key in checkpoint}
+    checkpoints = Path(output_dir) / "checkpoints"
+    if accelerator.is_main_process and path.resolve().parent == checkpoints.resolve():
+        for later in checkpoints.glob("epoch_*"):  # resuming an older checkpoint: the run goes on from there
+            if later.name > path.name:
+                shutil.rmtree(later)
+        _write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))
+        kept = [record for record in read_metrics(output_dir) if record["epoch"] < progress["epoch"]]
+        _write_atomically(Path(output_dir) / "metrics.jsonl",
+                          lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in kept)))
+    accelerator.wait_for_everyone()
+    accelerator.print(f"resumed from {path}: epoch {progress['epoch']}, batch {progress['batch']}, "
+                      f"step {progress['step']} of {total_steps}")
+    return progress

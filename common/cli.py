@@ -1,5 +1,6 @@
 """Command-line plumbing shared by the scripts: the common flags, user errors, the output folder."""
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -9,13 +10,23 @@ class UserError(Exception):
     """A mistake the user can fix (bad path, bad flag, wrong launch): printed as one message, exit code 2."""
 
 
+class Interrupted(Exception):
+    """The run saved a checkpoint and stopped because it was asked to (SIGTERM); the message is already printed."""
+
+
 def run(main, args):
-    """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback."""
+    """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback.
+
+    A run stopped by SIGTERM exits with 143, the code of a process killed by SIGTERM, so schedulers see
+    that it did not finish.
+    """
     try:
         return main(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Interrupted:
+        sys.exit(143)
 
 
 def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule):
@@ -24,6 +35,12 @@ def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay,
     parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
     parser.add_argument("--output_dir", default=output_dir, help="run folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output_dir")
+    parser.add_argument("--resume", default=None, metavar="latest|PATH",
+                        help="continue a run: `latest` (the newest checkpoint in --output_dir) or a checkpoint folder")
+    parser.add_argument("--checkpoint_every", type=int, default=None, metavar="N",
+                        help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
+    parser.add_argument("--keep_checkpoints", type=int, default=2, metavar="K",
+                        help="keep the newest K checkpoints (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=epochs, help="default: %(default)s")
     parser.add_argument("--batch_size", type=int, default=batch_size, help="per process (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=lr, help="peak learning rate (default: %(default)s)")
@@ -45,26 +62,51 @@ def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay,
 
 def check_args(args):
     """Reject flag values that cannot work before anything is built."""
-    for name in ("epochs", "batch_size", "grad_accum"):
-        if getattr(args, name) < 1:
+    for name in ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "max_steps", "checkpoint_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UserError(f"--max_steps must be at least 1, got {args.max_steps}")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --output_dir and --overwrite deletes it: pass one of them")
+
+
+# flags that say where a run lives and how it reports, not how it trains: a resumed run takes them from
+# the command line, and every other argument from its checkpoint
+LOCATION_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
+                 "report_to"}
+
+
+def restore_args(args, saved, *, defaults):
+    """The arguments of a resumed run: the checkpoint's, except the location flags.
+
+    A flag left at its default takes the checkpoint's value; one given with another value than the
+    checkpoint's is refused, since the run could not continue as it began.
+    """
+    restored = argparse.Namespace(**vars(args))
+    for name, value in saved.items():
+        if name in LOCATION_ARGS or not hasattr(args, name) or getattr(args, name) == value:
+            continue
+        if getattr(args, name) != defaults.get(name):
+            raise UserError(
+                f"--{name} is {getattr(args, name)} on the command line but {value} in the checkpoint. A resumed run "
+                f"keeps its arguments: drop --{name}, or start a new run in another --output_dir."
+            )
+        setattr(restored, name, value)
+    return restored
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
 
 
-def prepare_output_dir(output_dir, *, overwrite, accelerator):
-    """Refuse to train over an earlier run unless --overwrite; every rank checks before the main one writes."""
+def prepare_output_dir(output_dir, *, overwrite, resume, accelerator):
+    """Refuse to train over an earlier run unless --resume or --overwrite; every rank checks before the main one writes."""
     output_dir = Path(output_dir)
-    earlier = [name for name in RUN_FILES if (output_dir / name).exists()]
+    earlier = [] if resume else [name for name in RUN_FILES if (output_dir / name).exists()]
     if earlier and not overwrite:
         raise UserError(
-            f"{output_dir} already holds a run ({', '.join(earlier)}). "
-            "Pass --overwrite to replace it, or choose another --output_dir."
+            f"{output_dir} already holds a run ({', '.join(earlier)}). Pass --resume latest to continue it, "
+            "--overwrite to replace it, or choose another --output_dir."
         )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -53,9 +53,14 @@ def _batch_is_ready(batch):
 
 
 def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False):
-    """A DataLoader over an InMemoryDataset; the batch is already built, so collation is the identity."""
+    """A DataLoader over an InMemoryDataset; the batch is already built, so collation is the identity.
+
+    The loader gets a generator of its own: without one, starting each pass draws from the global RNG, which
+    the augmentation and dropout use, and a run resumed mid-epoch would no longer draw the same numbers.
+    (Accelerate's seedable sampler reseeds it from (seed, epoch) for the shuffle.)
+    """
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                                       collate_fn=_batch_is_ready)
+                                       collate_fn=_batch_is_ready, generator=torch.Generator())
 
 
 def preprocess(images, *, mean, std, padding=0, flip=False):

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .cli import Interrupted
+from .distributed import catch_sigterm, stop_requested
+
 
 def _schedule_factor(step, *, schedule, total_steps, warmup_steps):
     if schedule == "constant":
@@ -25,23 +28,37 @@ def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0)
 
     Built on the number of optimizer steps this process takes and stepped by the script only when
     gradients sync, so it is not passed through `accelerator.prepare` (which would step it once per
-    process); register it with `accelerator.register_for_checkpointing` instead.
+    process); its state goes into the checkpoint's trainer_state.json (common.checkpoint).
     """
     warmup_steps = int(warmup_fraction * total_steps)
     factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, *, loss_fn, transform,
-                    max_grad_norm=None, max_steps=None, description="train"):
-    """Train over this process's shard once (or for `max_steps` optimizer steps); returns global statistics."""
+def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, *, progress, loss_fn, transform,
+                    max_grad_norm=None, max_steps=None, checkpoint_every=None, save_checkpoint=None):
+    """Train over this process's shard of epoch `progress["epoch"]`; returns the epoch's global statistics.
+
+    `progress` ({"epoch", "batch", "step", ...}) says where the run stands and is updated after every batch.
+    A resumed epoch (`progress["batch"]` > 0) skips the batches already trained, in the same shuffled order,
+    and its statistics go on from `progress["epoch_totals"]`. Every `checkpoint_every` optimizer steps, and
+    at the first step after a SIGTERM, `save_checkpoint(progress)` writes a checkpoint; after a SIGTERM the
+    run then stops with `Interrupted`. Training stops at `max_steps` optimizer steps in all.
+    """
     model.train()
-    device = accelerator.device
-    loss_sum, samples, steps, indices = torch.zeros((), device=device), 0, 0, []
+    catch_sigterm()
+    epoch = progress["epoch"]
+    train_dataloader.set_epoch(epoch)  # the shuffle depends on (seed, epoch) only
+    if progress["batch"]:
+        train_dataloader = accelerator.skip_first_batches(train_dataloader, progress["batch"])
+        train_dataloader.set_epoch(epoch)  # older Accelerate releases start the skipping loader at epoch 0
+    saved_totals = progress.pop("epoch_totals", None)
+    totals = _start_totals(accelerator, saved_totals)
+    samples_before = sum(saved_totals["samples_per_process"]) if saved_totals else 0
     start = time.perf_counter()
-    progress = tqdm(train_dataloader, desc=description, disable=not accelerator.is_main_process,
-                    dynamic_ncols=True, mininterval=2, leave=False)
-    for batch in progress:
+    progress_bar = tqdm(train_dataloader, desc=f"epoch {epoch}", disable=not accelerator.is_main_process,
+                        dynamic_ncols=True, mininterval=2, leave=False)
+    for batch in progress_bar:
         images, labels = transform(batch["image"]), batch["label"]
         with accelerator.accumulate(model):
             loss = loss_fn(model(images), labels)
@@ -50,33 +67,64 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach() * len(labels)
-        samples += len(labels)
-        indices.append(batch["index"])
-        if accelerator.sync_gradients:
-            lr_scheduler.step()
-            steps += 1
-            if steps % 20 == 0:  # .item() waits for the device: only now and then
-                progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}",
-                                     img_s=f"{samples * accelerator.num_processes / (time.perf_counter() - start):,.0f}")
-            if max_steps is not None and steps >= max_steps:
-                break
-    progress.close()
+        totals["loss_sum"] += loss.detach() * len(labels)
+        totals["samples"] += len(labels)
+        totals["indices"].append(batch["index"])
+        progress["batch"] += 1
+        if not accelerator.sync_gradients:
+            continue
+        lr_scheduler.step()
+        progress["step"] += 1
+        if progress["step"] % 20 == 0:  # .item() waits for the device: only now and then
+            progress_bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}",
+                                     img_s=f"{totals['samples'] * accelerator.num_processes / (time.perf_counter() - start):,.0f}")
+        stop = stop_requested(accelerator)
+        if stop or (checkpoint_every and progress["step"] % checkpoint_every == 0):
+            path = save_checkpoint({**progress, "epoch_totals": _global_totals(accelerator, totals)})
+        if stop:
+            accelerator.print(f"stopped by SIGTERM at epoch {epoch}, step {progress['step']}: saved {path}. "
+                              "Run the same command with --resume latest to continue.")
+            raise Interrupted(path)
+        if max_steps is not None and progress["step"] >= max_steps:
+            break
+    progress_bar.close()
     elapsed = time.perf_counter() - start
-    # global numbers: every process took the same number of steps on a different shard
-    samples_per_process = accelerator.gather(torch.tensor([samples], device=device))
-    loss_total = accelerator.reduce(loss_sum, reduction="sum")
-    seen = accelerator.gather(accelerator.pad_across_processes(
-        torch.cat(indices).to(device) if indices else torch.zeros(0, dtype=torch.long, device=device), pad_index=-1))
-    total = int(samples_per_process.sum())
+    epoch_totals = _global_totals(accelerator, totals)
+    samples = sum(epoch_totals["samples_per_process"])
     return {
-        "train_loss": loss_total.item() / max(1, total),
-        "train_samples": total,
-        "train_unique_samples": int(seen[seen >= 0].unique().numel()),
-        "train_samples_per_process": samples_per_process.tolist(),
-        "steps": steps,
-        "images_per_s": total / elapsed,
+        "train_loss": epoch_totals["loss_sum"] / max(1, samples),
+        "train_samples": samples,
+        "train_unique_samples": len(epoch_totals["indices"]),
+        "train_samples_per_process": epoch_totals["samples_per_process"],
+        "images_per_s": (samples - samples_before) / elapsed,
         "train_time_s": elapsed,
+    }
+
+
+def _start_totals(accelerator, saved=None):
+    """This process's running loss sum, sample count and sample indices for the epoch.
+
+    A resumed epoch starts from the checkpoint's global totals: each process takes its own sample count,
+    and the main process carries the loss sum and the indices, so the final reduction counts them once.
+    """
+    totals = {"loss_sum": torch.zeros((), device=accelerator.device), "samples": 0, "indices": []}
+    if saved:
+        totals["samples"] = saved["samples_per_process"][accelerator.process_index]
+        if accelerator.is_main_process:
+            totals["loss_sum"] += saved["loss_sum"]
+            totals["indices"].append(torch.tensor(saved["indices"], dtype=torch.long))
+    return totals
+
+
+def _global_totals(accelerator, totals):
+    """The epoch's totals over all processes (a collective: every process calls it), as JSON-friendly numbers."""
+    device = accelerator.device
+    indices = torch.cat(totals["indices"]).to(device) if totals["indices"] else torch.zeros(0, dtype=torch.long, device=device)
+    seen = accelerator.gather(accelerator.pad_across_processes(indices, pad_index=-1))
+    return {
+        "loss_sum": accelerator.reduce(totals["loss_sum"].clone(), reduction="sum").item(),
+        "samples_per_process": accelerator.gather(torch.tensor([totals["samples"]], device=device)).tolist(),
+        "indices": seen[seen >= 0].unique().tolist(),  # sorted; the padding of the last batches repeats a few
     }
 
 

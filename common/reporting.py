@@ -38,7 +38,7 @@ def log_epoch(accelerator, output_dir, *, epoch, epochs, step, train, evaluation
 
 def read_metrics(output_dir):
     path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def write_reports(output_dir, *, labels, predictions, class_names):

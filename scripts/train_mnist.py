@@ -28,8 +28,8 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import save_best_model  # noqa: E402
-from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, run  # noqa: E402
+from common.checkpoint import find_checkpoint, load_checkpoint, save_best_model, save_checkpoint  # noqa: E402
+from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, restore_args, run  # noqa: E402
 from common.data import build_dataloader, build_digits, build_mnist, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.engine import build_lr_scheduler, evaluate, train_one_epoch  # noqa: E402
@@ -48,9 +48,13 @@ def parse_args(argv=None):
 
 def main(args):
     check_args(args)
+    checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
+    if checkpoint:  # a resumed run continues with the arguments it started with
+        args = restore_args(args, checkpoint["args"], defaults=vars(parse_args([])))
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
                                     report_to=args.report_to, output_dir=args.output_dir)
-    output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, accelerator=accelerator)
+    output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
+                                    accelerator=accelerator)
     set_seed(args.seed)
 
     # data: uint8 tensors in memory; the model's "rescale" is preprocess with mean 0, std 1
@@ -62,7 +66,8 @@ def main(args):
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
     transform = partial(preprocess, mean=(0.0,), std=(1.0,))  # the model's Keras "rescale"
 
-    # model and optimisation; model_meta goes into best/meta.json so predict.py can rebuild the model
+    # model and optimisation; model_meta goes into best/meta.json (predict.py rebuilds the model from it)
+    # and into every checkpoint
     model_meta = {"architecture": "mnist_convnet",
                   "model_kwargs": {"num_classes": len(train_set.classes), "in_chans": 1},
                   "class_names": train_set.classes, "image_size": list(train_set.images.shape[2:]),
@@ -75,29 +80,33 @@ def main(args):
     total_steps = min(total_steps, args.max_steps or total_steps)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
-    accelerator.register_for_checkpointing(lr_scheduler)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     accelerator.init_trackers("train_mnist", config=args_to_dict(args))
     accelerator.print(f"{args.dataset}: {len(train_set)} train / {len(eval_set)} test images, "
                       f"{total_steps} optimizer steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
-    # epoch loop
-    step, best_accuracy = 0, -1.0
-    for epoch in range(1, args.epochs + 1):
+    # epoch loop; a checkpoint at the end of each epoch (and every --checkpoint_every steps, and on SIGTERM)
+    progress = {"epoch": 1, "batch": 0, "step": 0, "best_accuracy": -1.0}
+    if checkpoint:
+        progress = load_checkpoint(accelerator, checkpoint, output_dir, model=model, lr_scheduler=lr_scheduler,
+                                   meta=model_meta, total_steps=total_steps)
+    save = partial(save_checkpoint, accelerator, output_dir, lr_scheduler=lr_scheduler, meta=model_meta,
+                   keep=args.keep_checkpoints)
+    for epoch in range(progress["epoch"], args.epochs + 1):
         start = time.perf_counter()
-        train_dataloader.set_epoch(epoch)
-        train = train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, loss_fn=loss_fn,
-                                transform=transform, max_grad_norm=args.max_grad_norm,
-                                max_steps=total_steps - step, description=f"epoch {epoch}")
-        step += train["steps"]
+        train = train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, progress=progress,
+                                loss_fn=loss_fn, transform=transform, max_grad_norm=args.max_grad_norm,
+                                max_steps=total_steps, checkpoint_every=args.checkpoint_every, save_checkpoint=save)
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=transform)
-        log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=step, train=train,
+        log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=progress["step"], train=train,
                   evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
-        if evaluation["accuracy"] > best_accuracy:
-            best_accuracy = evaluation["accuracy"]
-            save_best_model(accelerator, model, output_dir, meta={**model_meta, "epoch": epoch,
-                                                                  "metric": "val_accuracy", "value": best_accuracy})
-        if step >= total_steps:
+        if evaluation["accuracy"] > progress["best_accuracy"]:
+            progress["best_accuracy"] = evaluation["accuracy"]
+            save_best_model(accelerator, model, output_dir, evaluation=evaluation, meta={
+                **model_meta, "epoch": epoch, "metric": "val_accuracy", "value": evaluation["accuracy"]})
+        progress.update(epoch=epoch + 1, batch=0)
+        save(progress)
+        if progress["step"] >= total_steps:
             break
     finish_run(accelerator, output_dir, evaluation=evaluation, class_names=train_set.classes)
 

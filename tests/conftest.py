@@ -26,11 +26,15 @@ def require(path, how):
         pytest.skip(message)
 
 
+def launch_command(*args, processes=2):
+    """`accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes N <args>` as a list."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+            "--num_processes", str(processes), *map(str, args)]
+
+
 def launch(*args, processes=2, cwd=None, env=None, timeout=600):
-    """`accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes N <args>`, captured."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-               "--num_processes", str(processes), *map(str, args)]
-    return run_command(command, cwd=cwd, env=env, timeout=timeout)
+    """A real multi-process launch on CPU, captured."""
+    return run_command(launch_command(*args, processes=processes), cwd=cwd, env=env, timeout=timeout)
 
 
 def run_command(command, *, cwd=None, env=None, timeout=600):

@@ -149,9 +149,11 @@ def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_
 
     again = run_command(train)
     assert again.returncode == 2
-    assert "already holds a run" in again.output and "--overwrite" in again.output
-    assert "Traceback" not in again.output
+    assert "already holds a run" in again.output and "--resume latest" in again.output
+    assert "--overwrite" in again.output and "Traceback" not in again.output
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    assert (tmp_path / "run" / "checkpoints" / "epoch_001_end" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "best" / "model.safetensors").exists()
 
     overwritten = run_command(train + ["--overwrite"])
     assert overwritten.returncode == 0, overwritten.output

@@ -1,0 +1,256 @@
+"""Checkpoints and resuming: exact resume (1 and 2 processes), SIGTERM, SIGKILL during a save, refusals."""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.checkpoint import _publish, checkpoint_name
+from common.cli import UserError, restore_args, run
+from conftest import REPO, launch_command, run_command
+
+MNIST = REPO / "scripts" / "train_mnist.py"
+CIFAR = REPO / "scripts" / "train_cifar.py"
+# 43 steps per epoch on 2 processes, 85 on 1: long enough to stop a run in the middle of it
+DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
+TIMES = ("images_per_s", "train_time_s", "epoch_time_s")
+
+
+def train_command(*args, processes, script=MNIST):
+    return launch_command(script, *args, processes=processes) if processes > 1 else [sys.executable, script, *args]
+
+
+def train(*args, processes=1, script=MNIST):
+    return run_command(train_command(*args, processes=processes, script=script))
+
+
+def refused(script, *args, capsys):
+    """Run a script's main in this process and return what it printed; it must stop with a UserError (exit 2)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as stop:
+        run(module.main, module.parse_args(list(map(str, args))))
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def start(*args, processes, log):
+    """A training run in the background (its own process group), output to `log`."""
+    return subprocess.Popen(list(map(str, train_command(*args, processes=processes))), cwd=REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def kill_everything(process):
+    """SIGKILL a run: the launcher and its workers (torchrun starts each worker in a session of its own)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    family, i = [process.pid], 0
+    while i < len(family):
+        family += parents.get(family[i], [])
+        i += 1
+    for pid in family:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def wait_for(condition, process, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "the run ended before the moment the test waits for"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def metrics(output_dir):
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in record.items() if k not in TIMES} for record in records]
+
+
+def assert_same_run(run, reference):
+    """Same weights, optimizer state, metrics and best-model predictions as the uninterrupted run."""
+    for name in ("checkpoints/epoch_004_end/model.safetensors", "best/model.safetensors"):
+        ours, theirs = load_file(run / name), load_file(reference / name)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-6) for k in ours), name
+    ours, theirs = (torch.load(r / "checkpoints/epoch_004_end/optimizer.bin", weights_only=True)["state"]
+                    for r in (run, reference))
+    assert all(torch.allclose(ours[i]["exp_avg_sq"], theirs[i]["exp_avg_sq"], atol=1e-8) for i in theirs)
+    ours, theirs = metrics(run), metrics(reference)
+    assert len(ours) == len(theirs) == 4
+    for record, expected in zip(ours, theirs):
+        assert record.keys() == expected.keys()
+        assert all(record[k] == pytest.approx(expected[k], rel=1e-6) for k in record), (record, expected)
+    assert (run / "best" / "val_predictions.csv").read_text() == (reference / "best" / "val_predictions.csv").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs (1 or 2 processes), with a checkpoint every 10 steps kept."""
+    runs = {}
+
+    def get(processes):
+        if processes not in runs:
+            output_dir = tmp_path_factory.mktemp(f"reference{processes}") / "run"
+            result = train(*DIGITS, "--output_dir", output_dir, "--checkpoint_every", 10, "--keep_checkpoints", 100,
+                           processes=processes)
+            assert result.returncode == 0, result.output
+            runs[processes] = output_dir
+        return runs[processes]
+
+    return get
+
+
+# ---- fast: the pieces ----
+
+def test_checkpoint_names_sort_in_training_order():
+    names = [checkpoint_name(p) for p in ({"epoch": 2, "batch": 0}, {"epoch": 2, "batch": 7},
+                                          {"epoch": 2, "batch": 43}, {"epoch": 3, "batch": 0})]
+    assert names == ["epoch_001_end", "epoch_002_batch_000007", "epoch_002_batch_000043", "epoch_002_end"]
+    assert sorted(names) == names
+
+
+def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
+    defaults = {"lr": 0.01, "epochs": 2, "output_dir": "outputs/mnist", "resume": None, "data_dir": "data"}
+    saved = {"lr": 0.05, "epochs": 6, "output_dir": "/elsewhere", "resume": None, "data_dir": "/old", "model": "x"}
+    given = Namespace(**{**defaults, "output_dir": "runs/a", "resume": "latest", "data_dir": "/new"})
+    restored = restore_args(given, saved, defaults=defaults)
+    assert vars(restored) == {"lr": 0.05, "epochs": 6, "output_dir": "runs/a", "resume": "latest", "data_dir": "/new"}
+    assert given.lr == 0.01  # not changed in place
+    with pytest.raises(UserError, match=r"--epochs is 9 on the command line but 6 in the checkpoint"):
+        restore_args(Namespace(**{**vars(given), "epochs": 9}), saved, defaults=defaults)
+
+
+def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repaired(tmp_path):
+    best, tmp, old = tmp_path / "best", tmp_path / ".best.tmp", tmp_path / ".best.old"
+    best.mkdir()
+    (best / "model.safetensors").write_text("epoch 1")
+    (best / "stale.txt").write_text("only in the old folder")
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_text("epoch 2")
+    _publish(tmp, best)
+    assert [p.name for p in best.iterdir()] == ["model.safetensors"] and not tmp.exists() and not old.exists()
+    assert (best / "model.safetensors").read_text() == "epoch 2"
+
+    best.rename(old)  # killed after the first rename: no best/, the previous one in .best.old
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_text("epoch 3")
+    _publish(tmp, best)
+    assert (best / "model.safetensors").read_text() == "epoch 3" and not old.exists()
+
+
+# ---- slow: real runs ----
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, reference, processes):
+    output_dir = tmp_path / "run"
+    process = start(*DIGITS, "--output_dir", output_dir, processes=processes, log=tmp_path / "log")
+    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
+    process.send_signal(signal.SIGTERM)  # to the launcher with 2 processes: torchrun passes it on
+    returncode = process.wait(timeout=120)
+    output = (tmp_path / "log").read_text()
+    assert returncode == (143 if processes == 1 else 1), output
+    assert re.search(r"stopped by SIGTERM at epoch [2-4], step \d+: saved \S+/checkpoints/epoch_00[2-4]_batch_\d{6}\. "
+                     r"Run the same command with --resume latest to continue\.", output), output
+    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest)  # stopped in the middle of an epoch
+    assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
+
+    resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "latest", processes=processes)
+    assert resumed.returncode == 0, resumed.output
+    assert f"resumed from {output_dir / 'checkpoints' / latest}" in resumed.output
+    assert_same_run(output_dir, reference(processes))
+
+
+@pytest.mark.slow
+def test_resume_from_an_older_checkpoint_with_no_other_flags_matches(tmp_path, reference):
+    output_dir = tmp_path / "run"
+    shutil.copytree(reference(1), output_dir)
+    older = sorted((output_dir / "checkpoints").glob("epoch_002_batch_*"))[0]
+    # no --dataset/--epochs/--batch_size: they come from the checkpoint
+    result = train("--output_dir", output_dir, "--resume", older)
+    assert result.returncode == 0, result.output
+    assert f"resumed from {older}: epoch 2, batch {int(older.name[-6:])}" in result.output
+    assert not list((output_dir / "checkpoints").glob("epoch_003_batch_*"))  # the old future is gone
+    assert_same_run(output_dir, reference(1))
+
+
+@pytest.mark.slow
+def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path, reference):
+    output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for _ in range(5):
+        shutil.rmtree(output_dir, ignore_errors=True)
+        process = start(*DIGITS, "--output_dir", output_dir, "--checkpoint_every", 1, processes=2, log=tmp_path / "log")
+        wait_for(lambda: (checkpoints / "latest").exists() and list(checkpoints.glob(".tmp-*")), process)
+        kill_everything(process)  # launcher and both workers, no chance to clean up
+        if list(checkpoints.glob(".tmp-*")):  # the kill landed before the save was published
+            break
+    else:
+        pytest.fail("the kill never landed during a checkpoint write")
+    latest = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert json.loads((latest / "trainer_state.json").read_text())["step"] >= 1
+
+    resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "latest", processes=2)
+    assert resumed.returncode == 0, resumed.output
+    assert not list(checkpoints.glob(".tmp-*"))
+    assert_same_run(output_dir, reference(2))
+
+
+@pytest.mark.slow
+def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
+    finished = tmp_path / "finished"
+    shutil.copytree(reference(1), finished)
+    cases = [
+        (["--output_dir", finished, "--resume", "latest"], "is the end of a finished run (step 340 of 340)"),
+        (["--output_dir", finished, "--resume", "latest", "--lr", 0.5],
+         "--lr is 0.5 on the command line but 0.01 in the checkpoint"),
+        (["--output_dir", tmp_path / "empty", "--resume", "latest"], "--resume latest: no checkpoint in"),
+        (["--output_dir", finished, "--resume", "latest", "--overwrite"], "pass one of them"),
+        (["--output_dir", finished, "--resume", tmp_path], "is not a checkpoint (no trainer_state.json in it)"),
+    ]
+    corrupt = finished / "checkpoints" / "epoch_002_end" / "model.safetensors"
+    corrupt.write_bytes(corrupt.read_bytes()[:1000])
+    cases.append((["--output_dir", tmp_path / "new", "--resume", corrupt.parent],
+                  f"{corrupt} is corrupt or not a safetensors file"))
+    for args, message in cases:
+        assert message in refused(MNIST, *args, capsys=capsys)
+    assert metrics(finished) == metrics(reference(1))  # nothing of the run was touched
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, cifar_jpegs, capsys):
+    cifar_run = tmp_path / "cifar"
+    result = train("--data_dir", cifar_jpegs, "--output_dir", cifar_run, "--epochs", 1, "--batch_size", 32,
+                   "--max_steps", 2, script=CIFAR)
+    assert result.returncode == 0, result.output
+    checkpoint = cifar_run / "checkpoints" / "epoch_001_end"
+    three_classes = tmp_path / "three_classes"
+    for split in ("train", "test"):
+        for name in sorted(p.name for p in (cifar_jpegs / split).iterdir())[:3]:
+            shutil.copytree(cifar_jpegs / split / name, three_classes / split / name)
+
+    message = refused(CIFAR, "--data_dir", three_classes, "--output_dir", tmp_path / "a", "--resume", checkpoint,
+                      capsys=capsys)
+    assert (f"checkpoint {checkpoint} holds resnet18_cifar with {{'num_classes': 10, 'in_chans': 3}}, but this run "
+            "builds resnet18_cifar with {'num_classes': 3, 'in_chans': 3}") in message
+
+    message = refused(MNIST, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint,
+                      capsys=capsys)
+    assert "holds resnet18_cifar with {'num_classes': 10, 'in_chans': 3}, but this run builds mnist_convnet" in message
