@@ -52,10 +52,12 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
     if progress["batch"]:
         train_dataloader = accelerator.skip_first_batches(train_dataloader, progress["batch"])
         train_dataloader.set_epoch(epoch)  # older Accelerate releases start the skipping loader at epoch 0
-    saved_totals = progress.pop("epoch_totals", None)
-    totals = _start_totals(accelerator, saved_totals)
-    samples_before = sum(saved_totals["samples_per_process"]) if saved_totals else 0
-    start = time.perf_counter()
+    totals = _start_totals(accelerator, progress.pop("epoch_totals", None))
+    start, resumed_samples = time.perf_counter(), totals["samples"]
+
+    def images_per_s():  # all processes, timed from this call: a resumed epoch's earlier part is not in it
+        return (totals["samples"] - resumed_samples) * accelerator.num_processes / (time.perf_counter() - start)
+
     progress_bar = tqdm(train_dataloader, desc=f"epoch {epoch}", disable=not accelerator.is_main_process,
                         dynamic_ncols=True, mininterval=2, leave=False)
     for batch in progress_bar:
@@ -77,7 +79,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         progress["step"] += 1
         if progress["step"] % 20 == 0:  # .item() waits for the device: only now and then
             progress_bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}",
-                                     img_s=f"{totals['samples'] * accelerator.num_processes / (time.perf_counter() - start):,.0f}")
+                                     img_s=f"{images_per_s():,.0f}")
         stop = stop_requested(accelerator)
         if stop or (checkpoint_every and progress["step"] % checkpoint_every == 0):
             path = save_checkpoint({**progress, "epoch_totals": _global_totals(accelerator, totals)})
@@ -88,7 +90,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         if max_steps is not None and progress["step"] >= max_steps:
             break
     progress_bar.close()
-    elapsed = time.perf_counter() - start
+    elapsed, rate = time.perf_counter() - start, images_per_s()
     epoch_totals = _global_totals(accelerator, totals)
     samples = sum(epoch_totals["samples_per_process"])
     return {
@@ -96,7 +98,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         "train_samples": samples,
         "train_unique_samples": len(epoch_totals["indices"]),
         "train_samples_per_process": epoch_totals["samples_per_process"],
-        "images_per_s": (samples - samples_before) / elapsed,
+        "images_per_s": rate,
         "train_time_s": elapsed,
     }
 

@@ -14,6 +14,9 @@ Launch:
     accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_cifar.py --data_dir data --download
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_cifar.py --data_dir data
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_cifar.py --data_dir data --epochs 1
+
+Checkpoints: output_dir/checkpoints/ after every epoch (and every --checkpoint_every steps, and on SIGTERM);
+continue a stopped run exactly, mid-epoch included, with the same command plus `--resume latest`.
 """
 
 import argparse

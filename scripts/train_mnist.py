@@ -15,6 +15,9 @@ Launch:
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_mnist.py \\
         --dataset fashion_mnist --data_dir /usr/share/datasets/fashion-mnist
     accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_mnist.py --dataset mnist --download
+
+Checkpoints: output_dir/checkpoints/ after every epoch (and every --checkpoint_every steps, and on SIGTERM);
+continue a stopped run exactly, mid-epoch included, with the same command plus `--resume latest`.
 """
 
 import argparse
