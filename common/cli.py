@@ -29,7 +29,8 @@ def run(main, args):
         sys.exit(143)
 
 
-def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule):
+def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule,
+                    warmup_fraction=0.2, max_grad_norm=None):
     """The flags every training script has; each script passes its own defaults so they stay visible there."""
     parser.add_argument("--data_dir", default="data", help="dataset location (default: %(default)s)")
     parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
@@ -48,10 +49,11 @@ def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay,
     parser.add_argument("--label_smoothing", type=float, default=label_smoothing, help="default: %(default)s")
     parser.add_argument("--schedule", choices=["onecycle", "cosine", "constant"], default=schedule,
                         help="LR schedule, stepped per optimizer step (default: %(default)s)")
-    parser.add_argument("--warmup_fraction", type=float, default=0.2,
+    parser.add_argument("--warmup_fraction", type=float, default=warmup_fraction,
                         help="share of the steps spent warming up (onecycle, cosine; default: %(default)s)")
     parser.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
-    parser.add_argument("--max_grad_norm", type=float, default=None, help="clip gradients to this norm")
+    parser.add_argument("--max_grad_norm", type=float, default=max_grad_norm,
+                        help="clip gradients to this norm (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="override the accelerate config's setting")
     parser.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps (smoke runs)")

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .cli import UserError
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+from .folders import IMAGE_EXTENSIONS, list_image_folder  # noqa: F401 (IMAGE_EXTENSIONS is used by predict.py)
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -216,17 +215,7 @@ def decode_image(path, *, size, channels):
 
 def load_image_folder(root, *, size):
     """Decode a `root/<class>/<image>` tree into an InMemoryDataset of RGB images resized to `size`."""
-    root = Path(root)
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
-    if not classes:
-        raise UserError(f"{root} has no class folders; expected {root}/<class>/<image>.jpg")
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        images = sorted(p for p in (root / name).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
-        if not images:
-            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
-        files += images
-        labels += [label] * len(images)
+    files, labels, classes, _ = list_image_folder(root)
 
     def decode(path):
         try:

@@ -6,13 +6,14 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from sklearn.metrics import f1_score
 from tqdm.auto import tqdm
 
 from .cli import Interrupted
 from .distributed import catch_sigterm, stop_requested
 
 
-def _schedule_factor(step, *, schedule, total_steps, warmup_steps):
+def _schedule_factor(step, *, schedule, total_steps, warmup_steps, min_lr_ratio):
     if schedule == "constant":
         return 1.0
     if step < warmup_steps:
@@ -20,23 +21,25 @@ def _schedule_factor(step, *, schedule, total_steps, warmup_steps):
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     if schedule == "onecycle":  # linear warmup, then linear decay to zero
         return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
 
-def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0):
-    """A per-optimizer-step schedule: `onecycle` (linear up, linear down), `cosine` (warmup, cosine) or `constant`.
+def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0, min_lr_ratio=0.0):
+    """A per-optimizer-step schedule: `onecycle` (linear up, linear down), `cosine` (warmup, then cosine down
+    to `min_lr_ratio` x the peak) or `constant`.
 
     Built on the number of optimizer steps this process takes and stepped by the script only when
     gradients sync, so it is not passed through `accelerator.prepare` (which would step it once per
     process); its state goes into the checkpoint's trainer_state.json (common.checkpoint).
     """
     warmup_steps = int(warmup_fraction * total_steps)
-    factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps)
+    factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps,
+                     min_lr_ratio=min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, *, progress, loss_fn, transform,
-                    max_grad_norm=None, max_steps=None, checkpoint_every=None, save_checkpoint=None):
+                    mixup=None, max_grad_norm=None, max_steps=None, checkpoint_every=None, save_checkpoint=None):
     """Train over this process's shard of epoch `progress["epoch"]`; returns the epoch's global statistics.
 
     `progress` ({"epoch", "batch", "step", ...}) says where the run stands and is updated after every batch.
@@ -44,6 +47,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
     and its statistics go on from `progress["epoch_totals"]`. Every `checkpoint_every` optimizer steps, and
     at the first step after a SIGTERM, `save_checkpoint(progress)` writes a checkpoint; after a SIGTERM the
     run then stops with `Interrupted`. Training stops at `max_steps` optimizer steps in all.
+    `mixup(images, labels) -> (images, soft targets)` (timm's Mixup) goes after `transform`, on the device.
     """
     model.train()
     catch_sigterm()
@@ -62,8 +66,9 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
                         dynamic_ncols=True, mininterval=2, leave=False)
     for batch in progress_bar:
         images, labels = transform(batch["image"]), batch["label"]
+        images, targets = mixup(images, labels) if mixup else (images, labels)
         with accelerator.accumulate(model):
-            loss = loss_fn(model(images), labels)
+            loss = loss_fn(model(images), targets)
             accelerator.backward(loss)
             if accelerator.sync_gradients and max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -153,6 +158,8 @@ def evaluate(model, eval_dataloader, accelerator, *, transform):
     return {
         "loss": losses.mean().item(),
         "accuracy": (predictions == labels).float().mean().item(),
+        "macro_f1": f1_score(labels, predictions, average="macro", labels=range(probabilities.shape[1]),
+                             zero_division=0),
         "samples": len(labels),
         "predictions": predictions.numpy(),
         "probabilities": probabilities.numpy(),

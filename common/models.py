@@ -1,9 +1,14 @@
 """Model builders: ResNet-18 with a CIFAR stem, the seed's Keras-style MNIST convnet, or any timm model."""
 
+from pathlib import Path
+
+import torch
 from torch import nn
 
+from .cli import UserError
 
-def build_model(name, *, num_classes, in_chans=3, pretrained=False):
+
+def build_model(name, *, num_classes, in_chans=3):
     """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`)."""
     if name == "resnet18_cifar":
         return build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans)
@@ -11,7 +16,49 @@ def build_model(name, *, num_classes, in_chans=3, pretrained=False):
         return build_mnist_convnet(num_classes=num_classes, in_chans=in_chans)
     import timm  # imported here: the two models above do not need it
 
-    return timm.create_model(name, num_classes=num_classes, in_chans=in_chans, pretrained=pretrained)
+    if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
+        raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as resnet50")
+    return timm.create_model(name, num_classes=num_classes, in_chans=in_chans)
+
+
+def load_pretrained(model, name, source):
+    """Load ImageNet weights into a freshly built timm `model`; returns a line saying what was loaded.
+
+    `source` is a weights file (safetensors, or a PyTorch state dict read with weights_only=True) or
+    `hub` (timm's own download: needs the network). Tensors whose shape differs, the classifier of
+    another class count, are left out and named.
+    """
+    if source == "hub":
+        import timm
+
+        try:
+            state_dict = timm.create_model(name, pretrained=True).state_dict()
+        except Exception as error:  # offline, no such weights, hub errors: all mean "use a file"
+            raise UserError(f"--pretrained hub: could not fetch ImageNet weights for {name} ({type(error).__name__}: "
+                            f"{error}). Offline, download them elsewhere and pass --pretrained FILE.") from None
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise UserError(f"--pretrained {source}: no such file. Pass a weights file (.safetensors or a PyTorch "
+                            "state dict), `hub` to download when online, or leave --pretrained out")
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                state_dict = load_file(path)
+            else:
+                state_dict = torch.load(path, map_location="cpu", weights_only=True)
+                state_dict = state_dict.get("state_dict", state_dict.get("model", state_dict))
+        except Exception as error:  # any unreadable file: one message, not a traceback
+            raise UserError(f"--pretrained {source}: not a readable weights file ({error})") from None
+    own = model.state_dict()
+    fitting = {k: v for k, v in state_dict.items() if k in own and v.shape == own[k].shape}
+    if not fitting:
+        raise UserError(f"--pretrained {source}: none of its tensors fit {name}; are they weights for another model?")
+    model.load_state_dict(fitting, strict=False)
+    left_out = sorted(own.keys() - fitting.keys())
+    return (f"pretrained weights from {source}: {len(fitting)} of {len(own)} tensors loaded"
+            + (f"; left out (new for this task): {', '.join(left_out)}" if left_out else ""))
 
 
 def build_resnet18_cifar(*, num_classes=10, in_chans=3):

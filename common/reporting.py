@@ -22,7 +22,8 @@ def describe_launch(accelerator, *, batch_size, grad_accum):
 def log_epoch(accelerator, output_dir, *, epoch, epochs, step, train, evaluation, lr, epoch_time_s):
     """Build the epoch's record; append it to metrics.jsonl, send it to the trackers, print one summary line."""
     record = {"epoch": epoch, "step": step, **train, "val_loss": evaluation["loss"],
-              "val_accuracy": evaluation["accuracy"], "val_samples": evaluation["samples"], "lr": lr,
+              "val_accuracy": evaluation["accuracy"], "val_macro_f1": evaluation["macro_f1"],
+              "val_samples": evaluation["samples"], "lr": lr,
               "epoch_time_s": epoch_time_s}
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:

@@ -1,7 +1,8 @@
 """Predict classes for images with a trained `best/` folder (model.safetensors + meta.json).
 
-Same preprocessing as evaluation: convert to the model's channels, resize to its image size
-(bilinear), normalise with the mean/std in meta.json. Needs no training script and no pickled code.
+Same preprocessing as evaluation: convert to the model's channels; resize to its image size (bilinear),
+or for train_seedlings.py models resize the short side and center-crop as its evaluation does;
+normalise with the mean/std in meta.json. Needs no training script and no pickled code.
 Unreadable images are reported by name and skipped; the rest are still predicted.
 
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
@@ -12,13 +13,13 @@ import csv
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import load_best_model  # noqa: E402
 from common.cli import UserError, run  # noqa: E402
 from common.data import IMAGE_EXTENSIONS, decode_image, preprocess  # noqa: E402
+from common.folders import eval_transform, read_rgb  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,6 +53,11 @@ def main(args):
     model, meta = load_best_model(args.model_dir)
     model.to(args.device)
     classes, size, channels = meta["class_names"], meta["image_size"], meta["model_kwargs"]["in_chans"]
+    if "resize_size" in meta:  # the folder datasets' evaluation: short side to resize_size, center crop
+        transform = eval_transform(size[0])
+        decode = lambda path: transform(read_rgb(path))  # noqa: E731
+    else:  # the in-memory datasets were decoded straight to image_size
+        decode = lambda path: torch.from_numpy(decode_image(path, size=size, channels=channels)).permute(2, 0, 1)  # noqa: E731
     top_k = min(args.top_k, len(classes))
     paths = find_images(args.inputs)
     rows, failures = [], []
@@ -59,14 +65,14 @@ def main(args):
         batch, kept = [], []
         for path in paths[start:start + args.batch_size]:
             try:
-                batch.append(decode_image(path, size=size, channels=channels))
+                batch.append(decode(path))
                 kept.append(path)
             except (OSError, ValueError) as error:
                 failures.append(path)
                 print(f"skipped {path}: not a readable image ({error})", file=sys.stderr)
         if not batch:
             continue
-        images = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2).to(args.device)
+        images = torch.stack(batch).to(args.device)
         probabilities = model(preprocess(images, mean=meta["mean"], std=meta["std"])).float().softmax(1)
         top = probabilities.topk(top_k, dim=1)
         for path, values, indices in zip(kept, top.values.tolist(), top.indices.tolist()):

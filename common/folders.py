@@ -1,0 +1,158 @@
+"""Class-folder image datasets read from files (Plant Seedlings, or your own photos).
+
+`root/<class>/<image>` is listed once (non-image files skipped and counted), split 70/30 stratified
+and deterministically (or taken from `root/train` + `root/val`), and every image is decoded once up
+front so that a corrupt file stops the run at the start, by name, not hours in inside a worker.
+Training reads the files in DataLoader workers (random resized crop, flips, rotation) or, with
+`cache`, crops from images decoded and resized once into memory. Batches are uint8, like the
+in-memory datasets: normalisation (and mixup) happen on the device.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from sklearn.model_selection import train_test_split
+from torchvision.transforms import v2
+
+from .cli import UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def list_image_folder(root):
+    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root} not found: expected a folder of class folders, {root}/<class>/<image>.png")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
+    files, labels, skipped = [], [], []
+    for label, name in enumerate(classes):
+        entries = sorted(p for p in (root / name).iterdir() if p.is_file() and not p.name.startswith("."))
+        images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
+        if not images:
+            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+        files += images
+        labels += [label] * len(images)
+        skipped += [p for p in entries if p.suffix.lower() not in IMAGE_EXTENSIONS]
+    return files, labels, classes, skipped
+
+
+def split_dataset(labels, *, val_fraction, seed):
+    """Stratified (train, val) index lists: scikit-learn's train_test_split, as the seed's makedata.py, plus
+    stratify. Depends only on the sorted listing and the seed, so every rank and every run agree."""
+    counts = np.bincount(labels)
+    if counts.min() < 2 or not 0 < val_fraction < 1:
+        raise UserError(f"cannot split with --val_fraction {val_fraction}: it must lie between 0 and 1 and every "
+                        f"class needs 2 images (the smallest has {counts.min()})")
+    try:
+        train, val = train_test_split(np.arange(len(labels)), test_size=val_fraction, random_state=seed,
+                                      stratify=labels)
+    except ValueError as error:  # too few images for a validation image per class
+        raise UserError(f"cannot split {len(labels)} images into train/val with --val_fraction {val_fraction}: "
+                        f"{error}") from None
+    return sorted(train.tolist()), sorted(val.tolist())
+
+
+def find_splits(data_dir, *, val_fraction, seed):
+    """({"files", "labels"} for train and val, classes, skipped) from `root/train` + `root/val`, or split from `root`."""
+    root = Path(data_dir)
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        train_files, train_labels, classes, skipped = list_image_folder(root / "train")
+        val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
+        if val_classes != classes:
+            only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
+            raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
+                            f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
+        return ({"files": train_files, "labels": train_labels}, {"files": val_files, "labels": val_labels},
+                classes, skipped + val_skipped)
+    files, labels, classes, skipped = list_image_folder(root)
+    train, val = split_dataset(labels, val_fraction=val_fraction, seed=seed)
+    return ({"files": [files[i] for i in train], "labels": [labels[i] for i in train]},
+            {"files": [files[i] for i in val], "labels": [labels[i] for i in val]}, classes, skipped)
+
+
+def read_rgb(path):
+    """An image file as an RGB PIL image (the seedling PNGs are RGBA); OSError/ValueError if unreadable."""
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def check_images(files, *, skip_bad_images, cache_size=None):
+    """Decode every image once (threads) -> (indices of the good ones, [(file, error)] of the bad, cache).
+
+    A bad image stops the run with its name unless `skip_bad_images`. With `cache_size` the cache holds
+    the good images as evaluation first sees them (short side resized to cache_size, center square),
+    uint8 (N, 3, S, S); otherwise it is None.
+    """
+    shrink = v2.Compose([v2.ToImage(), v2.Resize(cache_size, antialias=True), v2.CenterCrop(cache_size),
+                         v2.ToPureTensor()]) if cache_size else None
+
+    def decode(path):
+        try:
+            image = read_rgb(path)
+            return shrink(image) if cache_size else True
+        except (OSError, ValueError) as error:
+            return error
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(decode, files, chunksize=64))
+    bad = [(path, result) for path, result in zip(files, results) if isinstance(result, Exception)]
+    if bad and not skip_bad_images:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
+                        "to leave unreadable images out")
+    good = [i for i, result in enumerate(results) if not isinstance(result, Exception)]
+    cache = torch.stack([results[i] for i in good]) if cache_size else None
+    return good, bad, cache
+
+
+def build_transforms(image_size):
+    """(train, eval) per-sample transforms, PIL or uint8 tensor in, uint8 (3, S, S) tensor out.
+
+    Train: random resized crop, horizontal and vertical flips, rotation (seedlings are photographed from
+    above, so any orientation is a real one). Eval: resize the short side to image_size / 0.875, center crop.
+    """
+    train = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
+                        v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), v2.RandomRotation(30), v2.ToPureTensor()])
+    return train, eval_transform(image_size)
+
+
+def eval_transform(image_size):
+    """Resize the short side to image_size / 0.875 and center-crop image_size: evaluation and predict.py."""
+    return v2.Compose([v2.ToImage(), v2.Resize(resize_size(image_size), antialias=True), v2.CenterCrop(image_size),
+                       v2.ToPureTensor()])
+
+
+def resize_size(image_size):
+    return round(image_size / 0.875)
+
+
+class ImageFileDataset(torch.utils.data.Dataset):
+    """Images from files, or from a uint8 cache, transformed per sample; items are dicts like InMemoryDataset's."""
+
+    def __init__(self, files, labels, classes, *, transform, cache=None):
+        self.files, self.labels, self.classes = list(files), torch.tensor(labels), list(classes)
+        self.transform, self.cache = transform, cache
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        image = self.cache[index] if self.cache is not None else read_rgb(self.files[index])
+        return {"image": self.transform(image), "label": self.labels[index], "index": index}
+
+
+def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=4):
+    """Workers decode and augment; pinned memory when there is a GPU; workers persist across epochs.
+
+    As for the in-memory loader, a generator of its own keeps the global RNG out of it.
+    """
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                                       num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=num_workers > 0, generator=torch.Generator())

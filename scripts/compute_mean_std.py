@@ -1,0 +1,57 @@
+"""Exact per-channel mean and std of every pixel of a folder of images, for --mean_std.
+
+    python scripts/compute_mean_std.py data/seedlings-split/train --output mean_std.json
+
+Streams the images (one at a time, converted to RGB, at their stored size) and sums pixel values and
+their squares per channel in float64: the mean and standard deviation over all pixels of all images,
+not the seed's average of per-image standard deviations. Compute it on the training images only.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.cli import UserError, run  # noqa: E402
+from common.folders import IMAGE_EXTENSIONS, read_rgb  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", help="images, searched recursively")
+    parser.add_argument("--output", default="mean_std.json", help="JSON to write (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def mean_std(paths):
+    """(mean, std, pixels) per RGB channel over all pixels of `paths`, values scaled to [0, 1]."""
+    total, squares, pixels = np.zeros(3), np.zeros(3), 0
+    for path in paths:
+        try:
+            image = np.asarray(read_rgb(path), dtype=np.float64).reshape(-1, 3) / 255.0
+        except (OSError, ValueError) as error:
+            raise UserError(f"cannot read image {path}: {error}") from None
+        total += image.sum(0)
+        squares += (image * image).sum(0)
+        pixels += len(image)
+    mean = total / pixels
+    return mean, np.sqrt(np.maximum(squares / pixels - mean * mean, 0.0)), pixels
+
+
+def main(args):
+    folder = Path(args.folder)
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not paths:
+        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {folder}")
+    mean, std, pixels = mean_std(paths)
+    stats = {"mean": mean.round(6).tolist(), "std": std.round(6).tolist(), "images": len(paths), "pixels": pixels,
+             "folder": str(folder)}
+    Path(args.output).write_text(json.dumps(stats, indent=2) + "\n")
+    print(f"{len(paths)} images, {pixels:,} pixels: mean {stats['mean']}, std {stats['std']} -> {args.output}")
+
+
+if __name__ == "__main__":
+    run(main, parse_args())

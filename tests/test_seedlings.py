@@ -1,0 +1,167 @@
+"""Plant Seedlings: the folder datasets, the split and mean/std tools, bad input, and a real 2-process run."""
+
+import csv
+import json
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from common.cli import UserError
+from common.folders import check_images, find_splits, list_image_folder, split_dataset
+from common.models import build_model, load_pretrained
+from conftest import REPO, SHARED_DATASETS, launch, require, run_command
+
+SEEDLINGS_ARCHIVE = SHARED_DATASETS / "plant-seedlings-train-150px.tar"
+SCRIPTS = REPO / "scripts"
+
+
+@pytest.fixture(scope="session")
+def seedlings(tmp_path_factory):
+    """Real seedling photos (RGBA PNGs): 7 per class, 8 in the first, 85 in all, as root/<class>/<image>."""
+    require(SEEDLINGS_ARCHIVE, "the Plant Seedlings archive of shared/datasets")
+    root = tmp_path_factory.mktemp("seedlings") / "plant-seedlings"
+    counts = Counter()
+    with tarfile.open(SEEDLINGS_ARCHIVE) as archive:
+        for member in archive:
+            parts = Path(member.name).parts
+            if member.isfile() and len(parts) == 3 and counts[parts[1]] < (8 if parts[1] == "Black-grass" else 7):
+                counts[parts[1]] += 1
+                (root / parts[1]).mkdir(parents=True, exist_ok=True)
+                (root / parts[1] / parts[2]).write_bytes(archive.extractfile(member).read())
+    assert len(counts) == 12 and sum(counts.values()) == 85
+    return root
+
+
+def script(name, *args):
+    return run_command([sys.executable, SCRIPTS / name, *args])
+
+
+def test_split_is_stratified_deterministic_and_loses_nothing(seedlings):
+    _, labels, classes, _ = list_image_folder(seedlings)
+    train, val = split_dataset(labels, val_fraction=0.3, seed=42)
+    assert (train, val) == split_dataset(labels, val_fraction=0.3, seed=42)
+    assert (train, val) != split_dataset(labels, val_fraction=0.3, seed=1)
+    assert sorted(train + val) == list(range(len(labels))) and not set(train) & set(val)
+    per_class, val_per_class = Counter(labels), Counter(labels[i] for i in val)
+    assert all(abs(val_per_class[c] - 0.3 * per_class[c]) <= 1 for c in range(len(classes)))
+
+
+def test_split_dataset_tool_writes_the_same_split_without_loss_or_duplicates(seedlings, tmp_path):
+    target = tmp_path / "split"
+    result = script("split_dataset.py", seedlings, target, "--link")
+    assert result.returncode == 0, result.output
+    assert "total" in result.output and "Black-grass" in result.output
+    written = {split: sorted(p.relative_to(target / split) for p in (target / split).rglob("*.png"))
+               for split in ("train", "val")}
+    source = sorted(p.relative_to(seedlings) for p in seedlings.rglob("*.png"))
+    assert sorted(written["train"] + written["val"]) == source  # every image once, in one split
+    assert not set(written["train"]) & set(written["val"])
+    # the training script's in-memory split of the root picks the same validation images
+    _, val, _, _ = find_splits(seedlings, val_fraction=0.3, seed=42)
+    assert sorted(p.relative_to(seedlings) for p in val["files"]) == written["val"]
+
+    again = script("split_dataset.py", seedlings, target)
+    assert again.returncode == 2 and "exists and is not empty" in again.output
+
+
+def test_compute_mean_std_is_exact(seedlings, tmp_path):
+    result = script("compute_mean_std.py", seedlings, "--output", tmp_path / "stats.json")
+    assert result.returncode == 0, result.output
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    pixels = np.concatenate([np.asarray(Image.open(p).convert("RGB"), dtype=np.float64).reshape(-1, 3) / 255
+                             for p in sorted(seedlings.rglob("*.png"))])
+    assert stats["images"] == 85 and stats["pixels"] == len(pixels)
+    assert np.allclose(stats["mean"], pixels.mean(0), atol=1e-6) and np.allclose(stats["std"], pixels.std(0), atol=1e-6)
+
+
+def test_bad_folders_are_named(tmp_path, seedlings):
+    with pytest.raises(UserError, match="has no class folders"):
+        list_image_folder(tmp_path)
+    with pytest.raises(UserError, match="not found"):
+        list_image_folder(tmp_path / "missing")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.png").write_bytes((seedlings / "Maize").iterdir().__next__().read_bytes())
+    (tmp_path / "a" / "notes.txt").write_text("not an image")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(UserError, match=r"class folder .*b has no images"):
+        list_image_folder(tmp_path)
+    (tmp_path / "b" / "y.png").write_bytes((tmp_path / "a" / "x.png").read_bytes())
+    _, _, classes, skipped = list_image_folder(tmp_path)
+    assert classes == ["a", "b"] and [p.name for p in skipped] == ["notes.txt"]
+
+    split = tmp_path / "split"
+    for part, names in (("train", ["a", "b"]), ("val", ["a", "c"])):
+        for name in names:
+            (split / part / name).mkdir(parents=True)
+            (split / part / name / "x.png").write_bytes((tmp_path / "a" / "x.png").read_bytes())
+    with pytest.raises(UserError, match=r"different class folders \(only in train: \['b'\]; only in val: \['c'\]\)"):
+        find_splits(split, val_fraction=0.3, seed=42)
+
+
+def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
+    good = sorted((seedlings / "Maize").iterdir())[:2]
+    truncated = tmp_path / "truncated.png"
+    truncated.write_bytes(good[0].read_bytes()[:2000])
+    garbage = tmp_path / "garbage.png"
+    garbage.write_text("not a png")
+    with pytest.raises(UserError, match=r"cannot read image .*truncated.png: .*\(and 1 more\)\. .*--skip_bad_images"):
+        check_images([*good, truncated, garbage], skip_bad_images=False)
+    kept, bad, cache = check_images([*good, truncated, garbage], skip_bad_images=True, cache_size=40)
+    assert kept == [0, 1] and [path for path, _ in bad] == [truncated, garbage]
+    assert cache.shape == (2, 3, 40, 40) and cache.dtype == torch.uint8
+
+
+def test_pretrained_weights_from_a_file_leave_out_the_classifier(tmp_path):
+    imagenet = build_model("resnet18", num_classes=1000)
+    save_file(imagenet.state_dict(), tmp_path / "resnet18.safetensors")
+    model = build_model("resnet18", num_classes=12)
+    message = load_pretrained(model, "resnet18", tmp_path / "resnet18.safetensors")
+    assert "left out (new for this task): fc.bias, fc.weight" in message
+    assert torch.equal(model.conv1.weight, imagenet.conv1.weight)
+    with pytest.raises(UserError, match="no such file"):
+        load_pretrained(model, "resnet18", tmp_path / "missing.pth")
+    with pytest.raises(UserError, match="none of its tensors fit"):
+        load_pretrained(build_model("mnist_convnet", num_classes=12), "mnist_convnet", tmp_path / "resnet18.safetensors")
+
+
+@pytest.mark.slow
+def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path, seedlings):
+    split = tmp_path / "split"
+    assert script("split_dataset.py", seedlings, split).returncode == 0
+    # one truncated image and one text file among the training images: left out with a count
+    (split / "train" / "Maize" / "broken.png").write_bytes(next((split / "train" / "Maize").iterdir()).read_bytes()[:999])
+    (split / "train" / "Maize" / "README.txt").write_text("notes")
+    val_counts = {p.name: len(list(p.iterdir())) for p in sorted((split / "val").iterdir())}
+    assert sum(val_counts.values()) == 26  # 85 images, 59 train (+ the broken one), 26 val
+
+    output_dir = tmp_path / "run"
+    result = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", output_dir, "--model",
+                    "resnet18", "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1,
+                    "--mixup_prob", 1.0, "--cache_images", "--skip_bad_images")
+    assert result.returncode == 0, result.output
+    assert "warning: skipped 1 files that are not images" in result.output
+    assert "warning: left out 1 unreadable train images" in result.output and "broken.png" in result.output
+    assert "SyncBatchNorm off" in result.output and "2 process(es)" in result.output
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in metrics:
+        assert record["val_samples"] == 26 and 0 <= record["val_macro_f1"] <= 1
+        # drop_last: 59 images in full batches of 2 x 4, the two processes' halves disjoint
+        assert record["train_samples_per_process"] == [28, 28] and record["train_unique_samples"] == 56
+    report = json.loads((output_dir / "classification_report.json").read_text())
+    assert {name: report[name]["support"] for name in val_counts} == val_counts  # every val image once
+
+    predicted = script("predict.py", "--model_dir", output_dir / "best", "--output", tmp_path / "out.csv", split / "val")
+    assert predicted.returncode == 0, predicted.output
+    rows = list(csv.DictReader(open(tmp_path / "out.csv")))
+    expected = list(csv.DictReader(open(output_dir / "best" / "val_predictions.csv")))
+    assert [Path(r["file"]).parent.name for r in rows] == [r["label"] for r in expected]
+    assert [r["class_1"] for r in rows] == [r["prediction"] for r in expected]
+    assert np.allclose([float(r["probability_1"]) for r in rows], [float(r["probability"]) for r in expected],
+                       atol=1e-5)
