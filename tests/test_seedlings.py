@@ -165,3 +165,14 @@ def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path
     assert [r["class_1"] for r in rows] == [r["prediction"] for r in expected]
     assert np.allclose([float(r["probability_1"]) for r in rows], [float(r["probability"]) for r in expected],
                        atol=1e-5)
+
+
+@pytest.mark.slow
+def test_odd_batch_with_mixup_and_offline_hub_weights_are_refused(tmp_path, seedlings):
+    odd = script("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "a", "--batch_size", 5)
+    assert odd.returncode == 2 and "need an even --batch_size, got 5" in odd.output and "Traceback" not in odd.output
+    offline = run_command([sys.executable, SCRIPTS / "train_seedlings.py", "--data_dir", seedlings, "--output_dir",
+                           tmp_path / "b", "--model", "resnet18", "--pretrained", "hub"], env={"HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 2 and "Traceback" not in offline.output, offline.output
+    assert "--pretrained hub: could not fetch ImageNet weights for resnet18" in offline.output
+    assert "pass --pretrained FILE" in offline.output
