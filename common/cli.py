@@ -73,10 +73,10 @@ def check_args(args):
         raise UserError("--resume continues the run in --output_dir and --overwrite deletes it: pass one of them")
 
 
-# flags that say where a run lives and how it reports, not how it trains: a resumed run takes them from
-# the command line, and every other argument from its checkpoint
+# flags that say where a run lives, how it loads data and how it reports, not how it trains: a resumed run
+# takes them from the command line, and every other argument from its checkpoint
 LOCATION_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
-                 "report_to"}
+                 "report_to", "num_workers", "cache_images"}
 
 
 def restore_args(args, saved, *, defaults):

@@ -8,6 +8,7 @@ Training reads the files in DataLoader workers (random resized crop, flips, rota
 in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -155,4 +156,12 @@ def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_
     """
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                                        num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0, generator=torch.Generator())
+                                       persistent_workers=num_workers > 0, generator=torch.Generator(),
+                                       worker_init_fn=_ignore_sigterm)
+
+
+def _ignore_sigterm(worker_id):
+    """torchrun and Slurm send SIGTERM to the whole process group, workers included. A worker that died of it
+    would crash the training process before it could save; the training process decides when to stop, and
+    its workers end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

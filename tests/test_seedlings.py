@@ -2,8 +2,11 @@
 
 import csv
 import json
+import signal
+import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from safetensors.torch import save_file
 from common.cli import UserError
 from common.folders import check_images, find_splits, list_image_folder, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import REPO, SHARED_DATASETS, launch, require, run_command
+from conftest import REPO, SHARED_DATASETS, launch, launch_command, require, run_command
 
 SEEDLINGS_ARCHIVE = SHARED_DATASETS / "plant-seedlings-train-150px.tar"
 SCRIPTS = REPO / "scripts"
@@ -142,10 +145,13 @@ def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path
     assert sum(val_counts.values()) == 26  # 85 images, 59 train (+ the broken one), 26 val
 
     output_dir = tmp_path / "run"
+    assert script("compute_mean_std.py", split / "train" / "Charlock", "--output", tmp_path / "stats.json").returncode == 0
     result = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", output_dir, "--model",
                     "resnet18", "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1,
-                    "--mixup_prob", 1.0, "--cache_images", "--skip_bad_images")
+                    "--mixup_prob", 1.0, "--cache_images", "--skip_bad_images", "--mean_std", tmp_path / "stats.json")
     assert result.returncode == 0, result.output
+    meta = json.loads((output_dir / "best" / "meta.json").read_text())
+    assert meta["mean"] == json.loads((tmp_path / "stats.json").read_text())["mean"] and meta["resize_size"] == 55
     assert "warning: skipped 1 files that are not images" in result.output
     assert "warning: left out 1 unreadable train images" in result.output and "broken.png" in result.output
     assert "SyncBatchNorm off" in result.output and "2 process(es)" in result.output
@@ -176,3 +182,28 @@ def test_odd_batch_with_mixup_and_offline_hub_weights_are_refused(tmp_path, seed
     assert offline.returncode == 2 and "Traceback" not in offline.output, offline.output
     assert "--pretrained hub: could not fetch ImageNet weights for resnet18" in offline.output
     assert "pass --pretrained FILE" in offline.output
+
+
+@pytest.mark.slow
+def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
+    """torchrun sends SIGTERM to each process group, DataLoader workers included: the run must still save."""
+    output_dir = tmp_path / "run"
+    args = ["--data_dir", seedlings, "--output_dir", output_dir, "--model", "resnet18", "--image_size", 32,
+            "--epochs", 6, "--batch_size", 2, "--num_workers", 2]
+    log = tmp_path / "log"
+    process = subprocess.Popen(launch_command(SCRIPTS / "train_seedlings.py", *args), cwd=REPO, stdout=open(log, "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (output_dir / "checkpoints" / "epoch_001_end").exists():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) != 0
+    output = log.read_text()
+    assert "stopped by SIGTERM at epoch" in output and "--resume latest" in output, output
+    assert "DataLoader worker" not in output
+
+    resumed = launch(SCRIPTS / "train_seedlings.py", "--output_dir", output_dir, "--resume", "latest",
+                     "--data_dir", seedlings)
+    assert resumed.returncode == 0, resumed.output
+    assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 6
