@@ -188,12 +188,15 @@ def find_checkpoint(output_dir, resume):
 
 
 def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler, meta, total_steps):
-    """Restore a checkpoint from `find_checkpoint` into the prepared objects; returns the run's progress.
+    """Restore a checkpoint from `find_checkpoint` into the prepared objects; returns the run's progress
+    (with `checkpoint` None, the progress of a new run).
 
     Refuses, with both sides named, a checkpoint of another model or class count, one from a finished run,
     and a mid-epoch one written by another number of processes (the data shards would differ). The main
     process then drops what the run wrote after the checkpoint: later checkpoints and metrics lines.
     """
+    if checkpoint is None:
+        return {"epoch": 1, "batch": 0, "step": 0, "best_accuracy": -1.0}
     path = checkpoint["path"]
     theirs = (checkpoint["architecture"], checkpoint["model_kwargs"])
     if theirs != (meta["architecture"], meta["model_kwargs"]):
@@ -234,3 +237,13 @@ def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler,
     accelerator.print(f"resumed from {path}: epoch {progress['epoch']}, batch {progress['batch']}, "
                       f"step {progress['step']} of {total_steps}")
     return progress
+
+
+def end_epoch(accelerator, model, output_dir, progress, *, epoch, evaluation, meta, save_checkpoint):
+    """After an epoch's evaluation: replace best/ if validation accuracy improved, then checkpoint the run."""
+    if evaluation["accuracy"] > progress["best_accuracy"]:
+        progress["best_accuracy"] = evaluation["accuracy"]
+        save_best_model(accelerator, model, output_dir, evaluation=evaluation,
+                        meta={**meta, "epoch": epoch, "metric": "val_accuracy", "value": evaluation["accuracy"]})
+    progress.update(epoch=epoch + 1, batch=0)
+    save_checkpoint(progress)

@@ -30,7 +30,7 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import find_checkpoint, load_checkpoint, save_best_model, save_checkpoint  # noqa: E402
+from common.checkpoint import end_epoch, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, restore_args, run  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
@@ -88,10 +88,8 @@ def main(args):
                       f"steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     # epoch loop; a checkpoint at the end of each epoch (and every --checkpoint_every steps, and on SIGTERM)
-    progress = {"epoch": 1, "batch": 0, "step": 0, "best_accuracy": -1.0}
-    if checkpoint:
-        progress = load_checkpoint(accelerator, checkpoint, output_dir, model=model, lr_scheduler=lr_scheduler,
-                                   meta=model_meta, total_steps=total_steps)
+    progress = load_checkpoint(accelerator, checkpoint, output_dir, model=model, lr_scheduler=lr_scheduler,
+                               meta=model_meta, total_steps=total_steps)  # a new run's start without --resume
     save = partial(save_checkpoint, accelerator, output_dir, lr_scheduler=lr_scheduler, meta=model_meta,
                    keep=args.keep_checkpoints)
     for epoch in range(progress["epoch"], args.epochs + 1):
@@ -102,12 +100,8 @@ def main(args):
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform)
         log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=progress["step"], train=train,
                   evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
-        if evaluation["accuracy"] > progress["best_accuracy"]:
-            progress["best_accuracy"] = evaluation["accuracy"]
-            save_best_model(accelerator, model, output_dir, evaluation=evaluation, meta={
-                **model_meta, "epoch": epoch, "metric": "val_accuracy", "value": evaluation["accuracy"]})
-        progress.update(epoch=epoch + 1, batch=0)
-        save(progress)
+        end_epoch(accelerator, model, output_dir, progress, epoch=epoch, evaluation=evaluation, meta=model_meta,
+                  save_checkpoint=save)  # best/ if it improved, then the epoch's checkpoint
         if progress["step"] >= total_steps:
             break
     finish_run(accelerator, output_dir, evaluation=evaluation, class_names=train_set.classes)
