@@ -65,20 +65,22 @@ def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False):
 def preprocess(images, *, mean, std, padding=0, flip=False):
     """uint8 (N, C, H, W) on any device -> normalised float; random crop (zero padding) and flip per sample."""
     n, _, height, width = images.shape
-    if padding:
-        padded = F.pad(images, (padding, padding, padding, padding))
-        dy = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
-        dx = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
-        rows = (dy + torch.arange(height, device=images.device))[:, :, None]
-        cols = (dx + torch.arange(width, device=images.device))[:, None, :]
-        batch = torch.arange(n, device=images.device)[:, None, None]
-        images = padded[batch, :, rows, cols].permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
-    if flip:
-        mirror = torch.rand(n, device=images.device) < 0.5
-        images = torch.where(mirror[:, None, None, None], images.flip(3), images)
-    mean = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
-    std = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
-    return (images.float() / 255 - mean) / std
+    device = images.device
+    if padding or flip:
+        # one gather does both: each sample's crop window, its columns read backwards when it is mirrored
+        padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
+        dy = torch.randint(0, 2 * padding + 1, (n, 1), device=device)
+        dx = torch.randint(0, 2 * padding + 1, (n, 1), device=device)
+        cols = torch.arange(width, device=device).expand(n, width)
+        if flip:
+            cols = torch.where(torch.rand(n, 1, device=device) < 0.5, width - 1 - cols, cols)
+        rows = (dy + torch.arange(height, device=device))[:, :, None]
+        batch = torch.arange(n, device=device)[:, None, None]
+        images = padded[batch, :, rows, (dx + cols)[:, None, :]].permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
+    # (x / 255 - mean) / std as one multiply and one add
+    std = torch.tensor(std, device=device).view(1, -1, 1, 1)
+    mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+    return images.float().mul_(1 / (255 * std)).sub_(mean / std)
 
 
 # --- CIFAR-10 -------------------------------------------------------------------------------------

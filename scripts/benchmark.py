@@ -1,0 +1,170 @@
+"""Speed of our CIFAR-10 data path and training step against the seed scripts' way, in one run.
+
+    python scripts/benchmark.py --data_dir data/cifar10/train                 # CPU, a couple of minutes
+    python scripts/benchmark.py --data_dir data/cifar10/train --device cuda   # on a GPU
+
+Data path alone (images/s, batches moved to the device and augmented, no model):
+  ours: images decoded once into a uint8 tensor, whole batches fetched by index through a DataLoader
+        prepared by Accelerate, crop (pad 4) + flip + normalise on the device;
+  seed: per-sample PIL decode + RandomCrop + RandomHorizontalFlip + ToTensor + Normalize, default
+        collate, as in the seed posts (one process, no workers: the rate per CPU core).
+Training step (images/s, ResNet-18 with the CIFAR stem, SGD, same batch):
+  ours: `accelerator.prepare` + `accelerator.backward` (common.distributed.build_accelerator);
+  plain: the same model and optimizer in a bare PyTorch loop.
+Each figure is measured --repeats times; the table shows min and median, the JSON (--output) has all.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision import transforms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.cli import run  # noqa: E402
+from common.data import CIFAR10_MEAN, CIFAR10_STD, InMemoryDataset, build_dataloader, decode_image, preprocess  # noqa: E402
+from common.distributed import build_accelerator  # noqa: E402
+from common.folders import list_image_folder  # noqa: E402
+from common.models import build_model  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data_dir", default="data/cifar10/train", help="CIFAR-10 JPEGs, DIR/<class>/*.jpg")
+    parser.add_argument("--images", type=int, default=5000, help="images used, spread over the classes")
+    parser.add_argument("--batch_size", type=int, default=128, help="default: %(default)s")
+    parser.add_argument("--train_steps", type=int, default=5, help="timed training steps per repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", default=None, help="also write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+class SeedStyleDataset(torch.utils.data.Dataset):
+    """The seed posts' pipeline: open each JPEG with PIL per sample and run torchvision transforms."""
+
+    def __init__(self, files, labels):
+        self.files, self.labels = files, labels
+        self.transform = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
+                                             transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        with Image.open(self.files[index]) as image:
+            return self.transform(image.convert("RGB")), self.labels[index]
+
+
+def timed(function, *, device, repeats):
+    """images/s of `function()` (which returns how many images it processed), once per repeat."""
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        count = function()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(count / (time.perf_counter() - start))
+    return rates
+
+
+def data_path_ours(dataloader, device):
+    count = 0
+    for batch in dataloader:
+        images = preprocess(batch["image"].to(device, non_blocking=True), mean=CIFAR10_MEAN, std=CIFAR10_STD,
+                            padding=4, flip=True)
+        count += len(images)
+    return count
+
+
+def data_path_seed(dataloader, device):
+    count = 0
+    for images, labels in dataloader:
+        images, labels = images.to(device), labels.to(device)
+        count += len(images)
+    return count
+
+
+def train_steps(model, optimizer, images, labels, *, steps, backward):
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for _ in range(steps):
+        loss = loss_fn(model(images), labels)
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return steps * len(images)
+
+
+def main(args):
+    device = torch.device(args.device)
+    files, labels, classes, _ = list_image_folder(args.data_dir)
+    stride = max(1, len(files) // args.images)
+    files, labels = files[::stride][:args.images], labels[::stride][:args.images]
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "images": len(files),
+               "batch_size": args.batch_size, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d")}
+
+    # data path: ours decodes once (timed separately), then serves batches from memory
+    start = time.perf_counter()
+    pixels = torch.from_numpy(np.stack([decode_image(f, size=(32, 32), channels=3) for f in files]))
+    results["ours_decode_once_images_per_s"] = len(files) / (time.perf_counter() - start)
+    accelerator = build_accelerator(mixed_precision="no", grad_accum=1, report_to="none")
+    dataset = InMemoryDataset(pixels.permute(0, 3, 1, 2), torch.tensor(labels), classes)
+    ours_loader = accelerator.prepare(build_dataloader(dataset, batch_size=args.batch_size, shuffle=True))
+    seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
+                                              shuffle=True, num_workers=0)
+    results["data_ours"] = timed(lambda: data_path_ours(ours_loader, device), device=device, repeats=args.repeats)
+    results["data_seed"] = timed(lambda: data_path_seed(seed_loader, device), device=device, repeats=args.repeats)
+
+    # training step: the same model, optimizer and batch, plain PyTorch and through Accelerate
+    batch = next(iter(ours_loader))
+    images = preprocess(batch["image"].to(device), mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True)
+    labels = batch["label"].to(device)
+
+    def build():
+        torch.manual_seed(0)
+        model = build_model("resnet18_cifar", num_classes=len(classes)).to(device)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+
+    plain_model, plain_optimizer = build()
+    ours_model, ours_optimizer = accelerator.prepare(*build())
+    for model, optimizer, backward in ((plain_model, plain_optimizer, torch.Tensor.backward),
+                                       (ours_model, ours_optimizer, accelerator.backward)):
+        train_steps(model.train(), optimizer, images, labels, steps=2, backward=backward)  # warm-up
+    # alternate the two so that a slower or faster moment of the machine hits both alike
+    results["train_plain"], results["train_ours"] = [], []
+    for _ in range(args.repeats):
+        for key, model, optimizer, backward in (("train_plain", plain_model, plain_optimizer, torch.Tensor.backward),
+                                                ("train_ours", ours_model, ours_optimizer, accelerator.backward)):
+            results[key] += timed(lambda: train_steps(model, optimizer, images, labels, steps=args.train_steps,
+                                                      backward=backward), device=device, repeats=1)
+
+    median = {key: statistics.median(results[key]) for key in ("data_ours", "data_seed", "train_ours", "train_plain")}
+    results["data_speedup_median"] = median["data_ours"] / median["data_seed"]
+    results["train_ours_vs_plain_median"] = median["train_ours"] / median["train_plain"]
+    print(f"device {results['device']} ({results['cpu_threads']} CPU threads), torch {results['torch']}, "
+          f"{len(files)} CIFAR-10 JPEGs, batch {args.batch_size}, {args.repeats} repeats")
+    print(f"{'images/s':<44} {'min':>10} {'median':>10}")
+    for key, label in (("data_ours", "data path, ours (uint8 in memory, on-device aug)"),
+                       ("data_seed", "data path, seed style (PIL + ToTensor)"),
+                       ("train_ours", "training step, ours (Accelerate)"),
+                       ("train_plain", "training step, plain PyTorch loop")):
+        print(f"{label:<44} {min(results[key]):>10,.0f} {median[key]:>10,.0f}")
+    print(f"{'(ours: one-time decode of the JPEGs)':<44} {results['ours_decode_once_images_per_s']:>21,.0f}")
+    print(f"data path speed-up, ours / seed style: {results['data_speedup_median']:.1f}x (medians)")
+    print(f"training step, ours / plain: {results['train_ours_vs_plain_median']:.3f} (medians)")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    run(main, parse_args())
