@@ -1,6 +1,7 @@
 """Unit tests of the builders in common/: data sources, device transforms, models."""
 
 import pickle
+import shutil
 import tarfile
 
 import numpy as np
@@ -193,3 +194,24 @@ def test_mnist_convnet_layers_match_the_seed():
 def test_any_timm_model_by_name():
     model = build_model("resnet18", num_classes=12)
     assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 12)
+
+
+def test_decoded_image_folder_is_cached_beside_the_data(tmp_path, cifar_jpegs, monkeypatch):
+    import common.data
+
+    root = tmp_path / "train"
+    shutil.copytree(cifar_jpegs / "train", root)
+    first = load_image_folder(root, size=(32, 32))
+    assert (root / ".decoded-32x32.safetensors").exists()
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded although the cache was valid")
+
+    monkeypatch.setattr(common.data, "decode_image", no_decoding)
+    second = load_image_folder(root, size=(32, 32))
+    assert torch.equal(second.images, first.images) and torch.equal(second.labels, first.labels)
+    assert second.classes == first.classes
+
+    monkeypatch.undo()  # a changed folder is decoded afresh
+    shutil.copy(next((root / "cat").iterdir()), root / "cat" / "zz_copy.jpg")
+    assert len(load_image_folder(root, size=(32, 32))) == len(first) + 1
