@@ -243,7 +243,7 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
     checkpoint = cifar_run / "checkpoints" / "epoch_001_end"
     three_classes = tmp_path / "three_classes"
     for split in ("train", "test"):
-        for name in sorted(p.name for p in (cifar_jpegs / split).iterdir())[:3]:
+        for name in sorted(p.name for p in (cifar_jpegs / split).iterdir() if p.is_dir())[:3]:
             shutil.copytree(cifar_jpegs / split / name, three_classes / split / name)
 
     message = refused(CIFAR, "--data_dir", three_classes, "--output_dir", tmp_path / "a", "--resume", checkpoint,
