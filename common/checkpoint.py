@@ -141,10 +141,7 @@ def save_checkpoint(accelerator, output_dir, progress, *, lr_scheduler, meta, ke
         state = {**progress, "lr_scheduler": lr_scheduler.state_dict(), "num_processes": accelerator.num_processes,
                  **meta}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        _fsync_tree(tmp)
-        if final.exists():  # the same point saved before (a resumed run that stopped again at once)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _publish(tmp, final)  # replaces the same point saved before (a resumed run that stopped again at once)
         _write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
         _fsync(checkpoints)
         names = sorted(path.name for path in checkpoints.glob("epoch_*"))  # training order; `name` is the last
