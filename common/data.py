@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .cli import UserError
-from .folders import IMAGE_EXTENSIONS, list_image_folder  # noqa: F401 (IMAGE_EXTENSIONS is used by predict.py)
+from .folders import list_image_folder
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -228,8 +228,9 @@ def load_image_folder(root, *, size):
     """
     files, labels, classes, _ = list_image_folder(root)
     cache = Path(root) / f".decoded-{size[0]}x{size[1]}.safetensors"
+    stats = [(f.relative_to(root), f.stat()) for f in files]
     fingerprint = hashlib.sha256("\n".join(
-        f"{f.relative_to(root)}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files).encode()).hexdigest()
+        f"{name}:{stat.st_size}:{stat.st_mtime_ns}" for name, stat in stats).encode()).hexdigest()
     cached = _read_decoded(cache, fingerprint)
     if cached is not None:
         return InMemoryDataset(cached, torch.tensor(labels), classes)
