@@ -44,6 +44,21 @@ def list_image_folder(root):
     return files, labels, classes, skipped
 
 
+def find_images(inputs):
+    """Image files named in `inputs`, and those under the folders named there (recursive, sorted)."""
+    paths = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            paths += sorted(p for p in item.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        elif item.is_file():
+            paths.append(item)
+        else:
+            raise UserError(f"{item} does not exist")
+    if not paths:
+        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
+    return paths
+
+
 def split_dataset(labels, *, val_fraction, seed):
     """Stratified (train, val) index lists: scikit-learn's train_test_split, as the seed's makedata.py, plus
     stratify. Depends only on the sorted listing and the seed, so every rank and every run agree."""

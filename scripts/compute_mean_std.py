@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.cli import UserError, run  # noqa: E402
-from common.folders import IMAGE_EXTENSIONS, read_rgb  # noqa: E402
+from common.folders import find_images, read_rgb  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,9 +43,7 @@ def mean_std(paths):
 
 def main(args):
     folder = Path(args.folder)
-    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-    if not paths:
-        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {folder}")
+    paths = find_images([args.folder])
     mean, std, pixels = mean_std(paths)
     stats = {"mean": mean.round(6).tolist(), "std": std.round(6).tolist(), "images": len(paths), "pixels": pixels,
              "folder": str(folder)}

@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import load_best_model  # noqa: E402
-from common.cli import UserError, run  # noqa: E402
-from common.data import IMAGE_EXTENSIONS, decode_image, preprocess  # noqa: E402
-from common.folders import eval_transform, read_rgb  # noqa: E402
+from common.cli import run  # noqa: E402
+from common.data import decode_image, preprocess  # noqa: E402
+from common.folders import eval_transform, find_images, read_rgb  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,20 +32,6 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: %(default)s")
     return parser.parse_args(argv)
-
-
-def find_images(inputs):
-    paths = []
-    for item in map(Path, inputs):
-        if item.is_dir():
-            paths += sorted(p for p in item.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-        elif item.is_file():
-            paths.append(item)
-        else:
-            raise UserError(f"{item} does not exist")
-    if not paths:
-        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
-    return paths
 
 
 @torch.inference_mode()
