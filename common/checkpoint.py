@@ -60,7 +60,8 @@ def _publish(tmp, final):
 def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
     """Replace best/ as a whole: model.safetensors, meta.json (architecture, model_kwargs, classes,
     preprocessing, epoch, metric, arguments) and val_predictions.csv (this evaluation, per image)."""
-    state_dict = accelerator.get_state_dict(model)
+    # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
+    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if not accelerator.is_main_process:
         return
     best = Path(output_dir) / "best"
@@ -200,7 +201,7 @@ def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler,
         raise UserError(f"checkpoint {path} holds {theirs[0]} with {theirs[1]}, but this run builds "
                         f"{meta['architecture']} with {meta['model_kwargs']}. Resume it with the script and data "
                         "it was trained on, or start a new run.")
-    check_weights(accelerator.unwrap_model(model), path / "model.safetensors",
+    check_weights(accelerator.unwrap_model(model, keep_torch_compile=False), path / "model.safetensors",
                   expected=f"{meta['architecture']} with {meta['model_kwargs']}")
     if checkpoint["step"] >= total_steps:
         raise UserError(f"checkpoint {path} is the end of a finished run (step {checkpoint['step']} of "

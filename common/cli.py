@@ -55,7 +55,11 @@ def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay,
     parser.add_argument("--max_grad_norm", type=float, default=max_grad_norm,
                         help="clip gradients to this norm (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="override the accelerate config's setting")
+                        help="override the accelerate config's setting (bf16 on a recent GPU)")
+    parser.add_argument("--channels_last", action="store_true",
+                        help="keep the model in channels-last memory format (faster convolutions with bf16/fp16 on GPUs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at the start)")
     parser.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps (smoke runs)")
     parser.add_argument("--seed", type=int, default=42, help="default: %(default)s")
     parser.add_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
@@ -73,21 +77,21 @@ def check_args(args):
         raise UserError("--resume continues the run in --output_dir and --overwrite deletes it: pass one of them")
 
 
-# flags that say where a run lives, how it loads data and how it reports, not how it trains: a resumed run
-# takes them from the command line, and every other argument from its checkpoint
-LOCATION_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
-                 "report_to", "num_workers", "cache_images"}
+# flags that say where a run lives, how it loads data, how it reports and how fast it computes, not what it
+# computes: a resumed run takes them from the command line, and every other argument from its checkpoint
+RUNTIME_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
+                "report_to", "num_workers", "cache_images", "channels_last", "compile"}
 
 
 def restore_args(args, saved, *, defaults):
-    """The arguments of a resumed run: the checkpoint's, except the location flags.
+    """The arguments of a resumed run: the checkpoint's, except the RUNTIME_ARGS flags.
 
     A flag left at its default takes the checkpoint's value; one given with another value than the
     checkpoint's is refused, since the run could not continue as it began.
     """
     restored = argparse.Namespace(**vars(args))
     for name, value in saved.items():
-        if name in LOCATION_ARGS or not hasattr(args, name) or getattr(args, name) == value:
+        if name in RUNTIME_ARGS or not hasattr(args, name) or getattr(args, name) == value:
             continue
         if getattr(args, name) != defaults.get(name):
             raise UserError(

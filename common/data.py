@@ -61,9 +61,12 @@ def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False):
     The loader gets a generator of its own: without one, starting each pass draws from the global RNG, which
     the augmentation and dropout use, and a run resumed mid-epoch would no longer draw the same numbers.
     (Accelerate's seedable sampler reseeds it from (seed, epoch) for the shuffle.)
+    With a GPU the batches are pinned, so that Accelerate's non-blocking copy (build_accelerator) does not
+    make the host wait for the device at every batch.
     """
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                                       collate_fn=_batch_is_ready, generator=torch.Generator())
+                                       collate_fn=_batch_is_ready, generator=torch.Generator(),
+                                       pin_memory=torch.cuda.is_available())
 
 
 def preprocess(images, *, mean, std, padding=0, flip=False):

@@ -14,9 +14,12 @@ from .cli import UserError
 # DDP warns when a parameter's gradient strides differ only along a size-1 dimension (the 1-channel
 # MNIST conv): harmless, and printed by every process.
 warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+# --compile with several processes: Dynamo cannot trace DDP's buffer broadcast and says so on every process;
+# that part simply runs uncompiled
+warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the builtin `torch._C._distributed_c10d")
 
 
-def build_accelerator(*, mixed_precision=None, grad_accum=1, report_to="none", output_dir=None):
+def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to="none", output_dir=None):
     """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour.
 
     `accelerate launch --config_file accelerate_configs/cpu.yaml` starts its processes through torchrun
@@ -24,15 +27,21 @@ def build_accelerator(*, mixed_precision=None, grad_accum=1, report_to="none", o
     without CUDA a plain `Accelerator()` then sees LOCAL_RANK but no GPU and falls back to a single,
     non-distributed process, so every process would train its own copy. Passing `cpu=True` there makes
     Accelerate join the processes with gloo (MULTI_CPU) instead.
+
+    `compile=True` has `accelerator.prepare` torch.compile the model (inductor); `save_state` and
+    `unwrap_model(model, keep_torch_compile=False)` still see the plain model, so checkpoints and best/
+    load without it. Left False, the accelerate config's dynamo setting applies.
     """
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision,
+        dynamo_backend="inductor" if compile else None,
         gradient_accumulation_steps=grad_accum,
         log_with=None if report_to == "none" else report_to,
         project_dir=output_dir,
         # seedable sampler: the shuffle order depends only on (seed, epoch), the same on every rank and on resume
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking: batches (pinned by our loaders) go to the GPU without a host-device sync
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
     )
     check_process_count(accelerator)
     return accelerator
@@ -72,8 +81,11 @@ def catch_sigterm():
 def stop_requested(accelerator):
     """True on every process once any of them got SIGTERM, so that they all stop at the same step.
 
-    One tiny all-reduce per call: call it once per optimizer step.
+    One tiny all-reduce per call when there are several processes (call it once per optimizer step); a
+    single process just reads its flag, without waiting for the device.
     """
+    if accelerator.num_processes == 1:
+        return bool(_signals_received)
     if _signals_received:
         accelerator.set_trigger()
     return accelerator.check_trigger()

@@ -164,14 +164,16 @@ class ImageFileDataset(torch.utils.data.Dataset):
         return {"image": self.transform(image), "label": self.labels[index], "index": index}
 
 
-def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=4):
-    """Workers decode and augment; pinned memory when there is a GPU; workers persist across epochs.
+def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=4, prefetch_factor=4):
+    """Workers decode and augment, each `prefetch_factor` batches ahead; pinned memory when there is a GPU;
+    workers persist across epochs.
 
     As for the in-memory loader, a generator of its own keeps the global RNG out of it.
     """
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                                        num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0, generator=torch.Generator(),
+                                       persistent_workers=num_workers > 0,
+                                       prefetch_factor=prefetch_factor if num_workers > 0 else None, generator=torch.Generator(),
                                        worker_init_fn=_ignore_sigterm)
 
 

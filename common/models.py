@@ -8,17 +8,23 @@ from torch import nn
 from .cli import UserError
 
 
-def build_model(name, *, num_classes, in_chans=3):
-    """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`)."""
-    if name == "resnet18_cifar":
-        return build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans)
-    if name == "mnist_convnet":
-        return build_mnist_convnet(num_classes=num_classes, in_chans=in_chans)
-    import timm  # imported here: the two models above do not need it
+def build_model(name, *, num_classes, in_chans=3, channels_last=False):
+    """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`).
 
-    if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
-        raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as resnet50")
-    return timm.create_model(name, num_classes=num_classes, in_chans=in_chans)
+    `channels_last` stores the weights as NHWC; the convolutions then run (and return) NHWC whatever the
+    input's layout, which is what the tensor cores want under bf16/fp16.
+    """
+    if name == "resnet18_cifar":
+        model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans)
+    elif name == "mnist_convnet":
+        model = build_mnist_convnet(num_classes=num_classes, in_chans=in_chans)
+    else:
+        import timm  # imported here: the two models above do not need it
+
+        if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
+            raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as resnet50")
+        model = timm.create_model(name, num_classes=num_classes, in_chans=in_chans)
+    return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 def load_pretrained(model, name, source):

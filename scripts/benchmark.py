@@ -1,25 +1,33 @@
 """Speed of our CIFAR-10 data path and training step against the seed scripts' way, in one run.
 
     python scripts/benchmark.py --data_dir data/cifar10/train                 # CPU, a couple of minutes
-    python scripts/benchmark.py --data_dir data/cifar10/train --device cuda   # on a GPU
+    python scripts/benchmark.py --data_dir data/cifar10/train --device cuda \
+        --mixed_precision bf16 --channels_last --compile --train_images 10000          # on a GPU
 
 Data path alone (images/s, batches moved to the device and augmented, no model):
   ours: images decoded once into a uint8 tensor, whole batches fetched by index through a DataLoader
         prepared by Accelerate, crop (pad 4) + flip + normalise on the device;
   seed: per-sample PIL decode + RandomCrop + RandomHorizontalFlip + ToTensor + Normalize, default
         collate, as in the seed posts (one process, no workers: the rate per CPU core).
-Training step (images/s, ResNet-18 with the CIFAR stem, SGD, same batch):
+Training step (images/s, ResNet-18 with the CIFAR stem, SGD, same batch, same --mixed_precision,
+--channels_last and --compile):
   ours: `accelerator.prepare` + `accelerator.backward` (common.distributed.build_accelerator);
-  plain: the same model and optimizer in a bare PyTorch loop.
+  plain: the same model and optimizer in a bare PyTorch loop (torch.autocast, torch.compile by hand).
+Training with its data (--train_images N > 0; images/s over N images, after one untimed pass):
+  ours: our data path + the Accelerate training step with the flags above, as train_cifar.py runs;
+  seed: the seed scripts' whole loop: the PIL pipeline (--seed_workers workers; the seeds use none),
+        fp32, the model in its default layout, a bare PyTorch loop.
 Each figure is measured --repeats times; the table shows min and median, the JSON (--output) has all.
 """
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +50,12 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=128, help="default: %(default)s")
     parser.add_argument("--train_steps", type=int, default=5, help="timed training steps per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    parser.add_argument("--train_images", type=int, default=0,
+                        help="also time whole training passes over this many images, ours vs the seed script's")
+    parser.add_argument("--seed_workers", type=int, default=0, help="DataLoader workers of the seed-style passes")
+    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no", help="default: %(default)s")
+    parser.add_argument("--channels_last", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output", default=None, help="also write the results as JSON here")
     return parser.parse_args(argv)
@@ -92,14 +106,17 @@ def data_path_seed(dataloader, device):
     return count
 
 
-def train_steps(model, optimizer, images, labels, *, steps, backward):
-    loss_fn = torch.nn.CrossEntropyLoss()
-    for _ in range(steps):
-        loss = loss_fn(model(images), labels)
+def train_steps(model, optimizer, batches, *, backward, autocast=contextlib.nullcontext):
+    """SGD steps over `batches` ((images, labels) pairs); returns the number of images."""
+    loss_fn, count = torch.nn.CrossEntropyLoss(), 0
+    for images, labels in batches:
+        with autocast():
+            loss = loss_fn(model(images), labels)
         backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return steps * len(images)
+        count += len(images)
+    return count
 
 
 def main(args):
@@ -109,13 +126,15 @@ def main(args):
     files, labels = files[::stride][:args.images], labels[::stride][:args.images]
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "images": len(files),
-               "batch_size": args.batch_size, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d")}
+               "batch_size": args.batch_size, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
+               "settings": f"mixed_precision={args.mixed_precision} channels_last={args.channels_last} "
+                           f"compile={args.compile}"}
 
     # data path: ours decodes once (timed separately), then serves batches from memory
     start = time.perf_counter()
     pixels = torch.from_numpy(np.stack([decode_image(f, size=(32, 32), channels=3) for f in files]))
     results["ours_decode_once_images_per_s"] = len(files) / (time.perf_counter() - start)
-    accelerator = build_accelerator(mixed_precision="no", grad_accum=1, report_to="none")
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile)
     dataset = InMemoryDataset(pixels.permute(0, 3, 1, 2), torch.tensor(labels), classes)
     ours_loader = accelerator.prepare(build_dataloader(dataset, batch_size=args.batch_size, shuffle=True))
     seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
@@ -123,43 +142,79 @@ def main(args):
     results["data_ours"] = timed(lambda: data_path_ours(ours_loader, device), device=device, repeats=args.repeats)
     results["data_seed"] = timed(lambda: data_path_seed(seed_loader, device), device=device, repeats=args.repeats)
 
-    # training step: the same model, optimizer and batch, plain PyTorch and through Accelerate
+    # training step: the same model, optimizer, batch and settings, plain PyTorch and through Accelerate
     batch = next(iter(ours_loader))
     images = preprocess(batch["image"].to(device), mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True)
-    labels = batch["label"].to(device)
+    batches = [(images, batch["label"].to(device))] * args.train_steps
 
-    def build():
+    def build(channels_last):
         torch.manual_seed(0)
-        model = build_model("resnet18_cifar", num_classes=len(classes)).to(device)
+        model = build_model("resnet18_cifar", num_classes=len(classes), channels_last=channels_last).to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
 
-    plain_model, plain_optimizer = build()
-    ours_model, ours_optimizer = accelerator.prepare(*build())
-    for model, optimizer, backward in ((plain_model, plain_optimizer, torch.Tensor.backward),
-                                       (ours_model, ours_optimizer, accelerator.backward)):
-        train_steps(model.train(), optimizer, images, labels, steps=2, backward=backward)  # warm-up
+    plain_model, plain_optimizer = build(args.channels_last)
+    plain_model = torch.compile(plain_model) if args.compile else plain_model
+    plain_autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.mixed_precision == "bf16")
+    ours_model, ours_optimizer = accelerator.prepare(*build(args.channels_last))  # autocast, compile: Accelerate's
+    loops = {"train_plain": (plain_model, plain_optimizer, partial(train_steps, backward=torch.Tensor.backward,
+                                                                      autocast=plain_autocast)),
+             "train_ours": (ours_model, ours_optimizer, partial(train_steps, backward=accelerator.backward))}
+    for model, optimizer, loop in loops.values():
+        loop(model.train(), optimizer, batches[:2])  # warm-up (and compile)
     # alternate the two so that a slower or faster moment of the machine hits both alike
     results["train_plain"], results["train_ours"] = [], []
     for _ in range(args.repeats):
-        for key, model, optimizer, backward in (("train_plain", plain_model, plain_optimizer, torch.Tensor.backward),
-                                                ("train_ours", ours_model, ours_optimizer, accelerator.backward)):
-            results[key] += timed(lambda: train_steps(model, optimizer, images, labels, steps=args.train_steps,
-                                                      backward=backward), device=device, repeats=1)
+        for key, (model, optimizer, loop) in loops.items():
+            results[key] += timed(lambda: loop(model, optimizer, batches), device=device, repeats=1)
 
-    median = {key: statistics.median(results[key]) for key in ("data_ours", "data_seed", "train_ours", "train_plain")}
+    if args.train_images:  # whole passes with their data: the seed script's loop against ours
+        files, labels = files[:args.train_images], labels[:args.train_images]  # a subset of the images above
+        seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
+                                                  shuffle=True, num_workers=args.seed_workers,
+                                                  persistent_workers=args.seed_workers > 0)
+        seed_model, seed_optimizer = build(channels_last=False)
+        ours_loader = accelerator.prepare(build_dataloader(
+            InMemoryDataset(dataset.images[:len(files)], dataset.labels[:len(files)], classes),
+            batch_size=args.batch_size, shuffle=True))
+        seed_pass = partial(train_steps, seed_model.train(), seed_optimizer, backward=torch.Tensor.backward)
+        ours_pass = partial(train_steps, ours_model, ours_optimizer, backward=accelerator.backward)
+
+        def seed_batches():
+            return ((images.to(device, non_blocking=True), labels.to(device)) for images, labels in seed_loader)
+
+        def ours_batches():
+            return ((preprocess(b["image"], mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True), b["label"])
+                    for b in ours_loader)
+
+        for key, one_pass, batches_of in (("train_seed_script", seed_pass, seed_batches),
+                                          ("train_ours_with_data", ours_pass, ours_batches)):
+            one_pass(batches_of())  # warm-up: workers start, compile sees the last, smaller batch too
+            results[key] = timed(lambda: one_pass(batches_of()), device=device, repeats=args.repeats)
+
+    rows = {"data_ours": "data path, ours (uint8 in memory, on-device aug)",
+            "data_seed": "data path, seed style (PIL + ToTensor)",
+            "train_ours": "training step, ours (Accelerate)",
+            "train_plain": "training step, plain PyTorch loop"}
+    if args.train_images:
+        rows.update(train_ours_with_data="training with data, ours",
+                    train_seed_script=f"training with data, seed script ({args.seed_workers} workers)")
+    median = {key: statistics.median(results[key]) for key in rows}
     results["data_speedup_median"] = median["data_ours"] / median["data_seed"]
     results["train_ours_vs_plain_median"] = median["train_ours"] / median["train_plain"]
+    if args.train_images:
+        results["train_with_data_speedup_median"] = median["train_ours_with_data"] / median["train_seed_script"]
     print(f"device {results['device']} ({results['cpu_threads']} CPU threads), torch {results['torch']}, "
-          f"{len(files)} CIFAR-10 JPEGs, batch {args.batch_size}, {args.repeats} repeats")
-    print(f"{'images/s':<44} {'min':>10} {'median':>10}")
-    for key, label in (("data_ours", "data path, ours (uint8 in memory, on-device aug)"),
-                       ("data_seed", "data path, seed style (PIL + ToTensor)"),
-                       ("train_ours", "training step, ours (Accelerate)"),
-                       ("train_plain", "training step, plain PyTorch loop")):
-        print(f"{label:<44} {min(results[key]):>10,.0f} {median[key]:>10,.0f}")
-    print(f"{'(ours: one-time decode of the JPEGs)':<44} {results['ours_decode_once_images_per_s']:>21,.0f}")
+          f"{results['images']} CIFAR-10 JPEGs, batch {args.batch_size}, {args.repeats} repeats, training step: "
+          f"{results['settings']}")
+    print(f"{'images/s':<50} {'min':>10} {'median':>10}")
+    for key, label in rows.items():
+        print(f"{label:<50} {min(results[key]):>10,.0f} {median[key]:>10,.0f}")
+    print(f"{'(ours: one-time decode of the JPEGs)':<50} {results['ours_decode_once_images_per_s']:>21,.0f}")
     print(f"data path speed-up, ours / seed style: {results['data_speedup_median']:.1f}x (medians)")
     print(f"training step, ours / plain: {results['train_ours_vs_plain_median']:.3f} (medians)")
+    if args.train_images:
+        print(f"training with data, ours / seed script: {results['train_with_data_speedup_median']:.1f}x (medians, "
+              f"{len(files)} images a pass)")
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results))

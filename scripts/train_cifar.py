@@ -54,8 +54,8 @@ def main(args):
     checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
     if checkpoint:  # a resumed run continues with the arguments it started with
         args = restore_args(args, checkpoint["args"], defaults=vars(parse_args([])))
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
-                                    report_to=args.report_to, output_dir=args.output_dir)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
+                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     accelerator=accelerator)
     set_seed(args.seed)
@@ -73,7 +73,7 @@ def main(args):
                   "model_kwargs": {"num_classes": len(train_set.classes), "in_chans": 3},
                   "class_names": train_set.classes, "image_size": [32, 32], "mean": CIFAR10_MEAN, "std": CIFAR10_STD,
                   "args": args_to_dict(args)}
-    model = build_model(model_meta["architecture"], **model_meta["model_kwargs"])
+    model = build_model(model_meta["architecture"], **model_meta["model_kwargs"], channels_last=args.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(

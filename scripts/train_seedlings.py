@@ -89,8 +89,8 @@ def main(args):
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
                         f"{args.batch_size}; or turn them off with --mixup_alpha 0 --cutmix_alpha 0")
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
-                                    report_to=args.report_to, output_dir=args.output_dir)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
+                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     accelerator=accelerator)
     set_seed(args.seed)
@@ -125,7 +125,7 @@ def main(args):
                   "class_names": classes, "image_size": [args.image_size, args.image_size],
                   "resize_size": resize_size(args.image_size), "mean": list(mean), "std": list(std),
                   "args": args_to_dict(args)}
-    model = build_model(args.model, **model_meta["model_kwargs"])
+    model = build_model(args.model, **model_meta["model_kwargs"], channels_last=args.channels_last)
     if args.pretrained and not checkpoint:
         accelerator.print(load_pretrained(model, args.model, args.pretrained))
     sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False

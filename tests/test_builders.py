@@ -196,6 +196,21 @@ def test_any_timm_model_by_name():
     assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 12)
 
 
+@pytest.mark.parametrize("name", ["resnet18_cifar", "resnet18"])
+def test_channels_last_model_computes_the_same_in_nhwc(name):
+    torch.manual_seed(0)
+    plain = build_model(name, num_classes=10).eval()
+    fast = build_model(name, num_classes=10, channels_last=True).eval()
+    fast.load_state_dict(plain.state_dict())
+    convs = [m for m in fast.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.inference_mode():
+        features = fast.layer1(fast.conv1(x))
+        assert features.is_contiguous(memory_format=torch.channels_last)  # NHWC all the way, whatever the input
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-4, atol=1e-4)
+
+
 def test_decoded_image_folder_is_cached_beside_the_data(tmp_path, cifar_jpegs, monkeypatch):
     import common.data
 

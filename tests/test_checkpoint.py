@@ -254,3 +254,31 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
     message = refused(MNIST, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint,
                       capsys=capsys)
     assert "holds resnet18_cifar with {'num_classes': 10, 'in_chans': 3}, but this run builds mnist_convnet" in message
+
+
+@pytest.mark.slow
+def test_compiled_channels_last_run_saves_plain_weights_and_resumes_compiled_or_not(tmp_path):
+    """--compile goes through Accelerate's dynamo plugin: best/ and checkpoints hold the plain model's names,
+    predict.py's loader reads them, and a resumed run may turn --compile on or off (a runtime flag)."""
+    from common.checkpoint import load_best_model
+
+    output_dir = tmp_path / "run"
+    flags = ["--dataset", "digits", "--epochs", 2, "--batch_size", 32, "--compile", "--channels_last"]
+    result = train(*flags, "--output_dir", output_dir, processes=2)
+    assert result.returncode == 0, result.output
+    for name in ("best/model.safetensors", "checkpoints/epoch_002_end/model.safetensors"):
+        names = load_file(output_dir / name).keys()
+        assert names and not [n for n in names if n.startswith("_orig_mod.")], name
+    model, meta = load_best_model(output_dir / "best")
+    assert meta["args"]["compile"] and meta["args"]["channels_last"]
+
+    for again in (["--compile"], []):  # from the end of epoch 1, compiled again, then eagerly
+        resumed_dir = tmp_path / f"resumed{len(again)}"
+        shutil.copytree(output_dir, resumed_dir)
+        resumed = train("--output_dir", resumed_dir, "--resume", resumed_dir / "checkpoints" / "epoch_001_end",
+                        *again, processes=2)
+        assert resumed.returncode == 0, resumed.output
+        expected, got = metrics(output_dir)[1], metrics(resumed_dir)[1]
+        assert got["epoch"] == 2 and got["train_unique_samples"] == expected["train_unique_samples"]
+        # compiled kernels and eager ones round differently; the run is the same one
+        assert got["val_accuracy"] == pytest.approx(expected["val_accuracy"], abs=0.02)
