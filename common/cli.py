@@ -3,7 +3,11 @@
 import argparse
 import shutil
 import sys
+import uuid
 from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list
 
 
 class UserError(Exception):
@@ -62,13 +66,16 @@ def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay,
                         help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at the start)")
     parser.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps (smoke runs)")
     parser.add_argument("--seed", type=int, default=42, help="default: %(default)s")
+    parser.add_argument("--dist_timeout", type=float, default=600, metavar="SECONDS",
+                        help="a collective that waits longer (a hung or lost process) ends the job (default: %(default)s)")
     parser.add_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
                         help="experiment tracker through Accelerate (default: %(default)s)")
 
 
 def check_args(args):
     """Reject flag values that cannot work before anything is built."""
-    for name in ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "max_steps", "checkpoint_every"):
+    for name in ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "max_steps", "checkpoint_every",
+                 "dist_timeout"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0:
@@ -80,7 +87,7 @@ def check_args(args):
 # flags that say where a run lives, how it loads data, how it reports and how fast it computes, not what it
 # computes: a resumed run takes them from the command line, and every other argument from its checkpoint
 RUNTIME_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
-                "report_to", "num_workers", "cache_images", "channels_last", "compile"}
+                "report_to", "num_workers", "cache_images", "channels_last", "compile", "dist_timeout"}
 
 
 def restore_args(args, saved, *, defaults):
@@ -121,7 +128,29 @@ def prepare_output_dir(output_dir, *, overwrite, resume, accelerator):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
+    if accelerator.num_processes > 1:
+        check_shared(output_dir, accelerator)
     return output_dir
+
+
+def check_shared(output_dir, accelerator):
+    """Every process must see the main process's files: checkpoints hold each process's RNG state, and a node
+    that writes its share to a local disk makes a checkpoint that cannot resume the run."""
+    token = broadcast_object_list([uuid.uuid4().hex])[0]
+    probe = output_dir / f".shared-check-{token}"
+    if accelerator.is_main_process:
+        probe.touch()
+    accelerator.wait_for_everyone()
+    seen = accelerator.gather(torch.tensor([probe.exists()], device=accelerator.device)).tolist()  # every process
+    if accelerator.is_main_process:
+        probe.unlink()
+    if not all(seen):
+        blind = [rank for rank, ok in enumerate(seen) if not ok]
+        raise UserError(
+            f"--output_dir {output_dir} is not shared between the machines: processes {blind} do not see the file "
+            "process 0 wrote there. Put --output_dir on a filesystem every node mounts (checkpoints hold every "
+            "process's state)."
+        )
 
 
 def args_to_dict(args):

@@ -3,10 +3,11 @@
 import os
 import signal
 import warnings
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from .cli import UserError
 
@@ -19,7 +20,8 @@ warnings.filterwarnings("ignore", message="Grad strides do not match bucket view
 warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the builtin `torch._C._distributed_c10d")
 
 
-def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to="none", output_dir=None):
+def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to="none", output_dir=None,
+                      dist_timeout=None):
     """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour.
 
     `accelerate launch --config_file accelerate_configs/cpu.yaml` starts its processes through torchrun
@@ -31,11 +33,15 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     `compile=True` has `accelerator.prepare` torch.compile the model (inductor); `save_state` and
     `unwrap_model(model, keep_torch_compile=False)` still see the plain model, so checkpoints and best/
     load without it. Left False, the accelerate config's dynamo setting applies.
+
+    `dist_timeout` (seconds) bounds every collective: when a process hangs or its node is lost, the others
+    fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
     """
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision,
         dynamo_backend="inductor" if compile else None,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else None,
         gradient_accumulation_steps=grad_accum,
         log_with=None if report_to == "none" else report_to,
         project_dir=output_dir,
@@ -44,6 +50,9 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
     )
     check_process_count(accelerator)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise UserError("mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so. "
+                        "Pass --mixed_precision no (or bf16, which recent CPUs run), or use a config without fp16.")
     return accelerator
 
 

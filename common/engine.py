@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sklearn.metrics import f1_score
 from tqdm.auto import tqdm
 
-from .cli import Interrupted
+from .cli import Interrupted, UserError
 from .distributed import catch_sigterm, stop_requested
 
 
@@ -48,6 +48,8 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
     at the first step after a SIGTERM, `save_checkpoint(progress)` writes a checkpoint; after a SIGTERM the
     run then stops with `Interrupted`. Training stops at `max_steps` optimizer steps in all.
     `mixup(images, labels) -> (images, soft targets)` (timm's Mixup) goes after `transform`, on the device.
+    A nan/inf loss stops the run with NonFiniteLoss at the next check (every 20 steps, before any checkpoint,
+    at the end of the epoch), so no checkpoint or best model is written from a diverged model.
     """
     model.train()
     catch_sigterm()
@@ -57,6 +59,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         train_dataloader = accelerator.skip_first_batches(train_dataloader, progress["batch"])
         train_dataloader.set_epoch(epoch)  # older Accelerate releases start the skipping loader at epoch 0
     totals = _start_totals(accelerator, progress.pop("epoch_totals", None))
+    nonfinite_step = torch.full((), _NONE, dtype=torch.long, device=accelerator.device)  # first step with a nan/inf loss
     start, resumed_samples = time.perf_counter(), totals["samples"]
 
     def images_per_s():  # all processes, timed from this call: a resumed epoch's earlier part is not in it
@@ -74,6 +77,8 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        # recorded on the device and checked only where the host waits anyway, before anything is saved
+        nonfinite_step = torch.minimum(nonfinite_step, torch.where(loss.detach().isfinite(), _NONE, progress["step"] + 1))
         totals["loss_sum"] += loss.detach() * len(labels)
         totals["samples"] += len(labels)
         totals["indices"].append(batch["index"])
@@ -83,10 +88,12 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         lr_scheduler.step()
         progress["step"] += 1
         if progress["step"] % 20 == 0:  # .item() waits for the device: only now and then
+            _stop_if_nonfinite(accelerator, nonfinite_step, epoch)
             progress_bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}",
                                      img_s=f"{images_per_s():,.0f}")
         stop = stop_requested(accelerator)
         if stop or (checkpoint_every and progress["step"] % checkpoint_every == 0):
+            _stop_if_nonfinite(accelerator, nonfinite_step, epoch)
             path = save_checkpoint({**progress, "epoch_totals": _global_totals(accelerator, totals)})
         if stop:
             accelerator.print(f"stopped by SIGTERM at epoch {epoch}, step {progress['step']}: saved {path}. "
@@ -95,6 +102,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         if max_steps is not None and progress["step"] >= max_steps:
             break
     progress_bar.close()
+    _stop_if_nonfinite(accelerator, nonfinite_step, epoch)  # before the epoch's evaluation, best/ and checkpoint
     elapsed, rate = time.perf_counter() - start, images_per_s()
     epoch_totals = _global_totals(accelerator, totals)
     samples = sum(epoch_totals["samples_per_process"])
@@ -106,6 +114,25 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         "images_per_s": rate,
         "train_time_s": elapsed,
     }
+
+
+_NONE = 2**62  # "no such step"
+
+
+class NonFiniteLoss(UserError):
+    """The loss became nan or inf; nothing was saved after that step."""
+
+
+def _stop_if_nonfinite(accelerator, nonfinite_step, epoch):
+    """Raise NonFiniteLoss on every process when any of them saw a nan/inf loss (a collective: all call it)."""
+    step = accelerator.gather(nonfinite_step[None]).min().item()
+    if step != _NONE:
+        raise NonFiniteLoss(
+            f"the loss became nan or inf at optimizer step {step} (epoch {epoch}); training stopped there and saved "
+            "nothing after it, so the checkpoints and best/ hold only states from before. The run diverged: start "
+            "again with a lower --lr, --max_grad_norm (e.g. 1.0), or bf16 instead of fp16 (a resumed run keeps its "
+            "arguments, and would diverge the same way)."
+        )
 
 
 def _start_totals(accelerator, saved=None):

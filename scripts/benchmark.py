@@ -139,8 +139,9 @@ def main(args):
     ours_loader = accelerator.prepare(build_dataloader(dataset, batch_size=args.batch_size, shuffle=True))
     seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
                                               shuffle=True, num_workers=0)
-    results["data_ours"] = timed(lambda: data_path_ours(ours_loader, device), device=device, repeats=args.repeats)
-    results["data_seed"] = timed(lambda: data_path_seed(seed_loader, device), device=device, repeats=args.repeats)
+    for key, data_path, loader in (("data_ours", data_path_ours, ours_loader), ("data_seed", data_path_seed, seed_loader)):
+        data_path(loader, device)  # warm-up: first allocations, first device copies
+        results[key] = timed(lambda: data_path(loader, device), device=device, repeats=args.repeats)
 
     # training step: the same model, optimizer, batch and settings, plain PyTorch and through Accelerate
     batch = next(iter(ours_loader))

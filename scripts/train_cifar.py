@@ -55,7 +55,8 @@ def main(args):
     if checkpoint:  # a resumed run continues with the arguments it started with
         args = restore_args(args, checkpoint["args"], defaults=vars(parse_args([])))
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
-                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir)
+                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
+                                    dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     accelerator=accelerator)
     set_seed(args.seed)
