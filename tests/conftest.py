@@ -1,14 +1,18 @@
 """Shared fixtures: real data (the CIFAR-10 JPEGs and Fashion-MNIST) and a helper that runs real launches."""
 
 import gzip
+import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = Path(os.environ.get("SHARED_DATASETS", REPO.parent / "shared" / "datasets"))
@@ -42,6 +46,58 @@ def run_command(command, *, cwd=None, env=None, timeout=600):
     result = subprocess.run(list(map(str, command)), cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
+
+
+def spawn(command, *, log, env=None):
+    """A command in the background, in a process group of its own, output to `log`."""
+    return subprocess.Popen(list(map(str, command)), cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def descendants(pid):
+    """`pid` and every process below it (torchrun starts each worker in a session of its own)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    family, i = [pid], 0
+    while i < len(family):
+        family += children.get(family[i], [])
+        i += 1
+    return family
+
+
+def worker_pid(launcher_pid, rank):
+    """The training process of global rank `rank` under a launcher (the first one whose environment says so)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process of rank {rank} under {launcher_pid}")
+
+
+def kill_everything(process):
+    """SIGKILL a run: the launcher and all its workers."""
+    for pid in descendants(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def wait_for(condition, process, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "the run ended before the moment the test waits for"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def write_idx(path, array):
@@ -87,3 +143,29 @@ def fashion_subset(tmp_path_factory):
 
 
 sys.path.insert(0, str(REPO))
+
+
+# ---- what a finished run must show ----
+
+def read_run(output_dir):
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    report = json.loads((output_dir / "classification_report.json").read_text())
+    return metrics, report
+
+
+def assert_two_processes_shared_the_data(metrics, *, train_size, batch_size):
+    for record in metrics:
+        per_process = record["train_samples_per_process"]
+        assert len(per_process) == 2 and per_process[0] == per_process[1]
+        # disjoint halves: together they cover every image once; the only repeats are the
+        # padding Accelerate adds so both processes take the same number of batches
+        assert record["train_unique_samples"] == train_size
+        assert train_size <= record["train_samples"] < train_size + 2 * batch_size
+        assert record["train_samples"] < 2 * train_size  # independent copies would each see everything
+
+
+def assert_each_test_sample_counted_once(metrics, report, labels, class_names):
+    counts = torch.bincount(labels, minlength=len(class_names)).tolist()
+    assert [report[name]["support"] for name in class_names] == counts
+    assert report["macro avg"]["support"] == len(labels)
+    assert all(record["val_samples"] == len(labels) for record in metrics)

@@ -2,15 +2,11 @@
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +14,7 @@ from safetensors.torch import load_file
 
 from common.checkpoint import _publish, checkpoint_name
 from common.cli import UserError, restore_args, run
-from conftest import REPO, launch_command, run_command
+from conftest import REPO, kill_everything, launch_command, run_command, spawn, wait_for
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
@@ -48,34 +44,7 @@ def refused(script, *args, capsys):
 
 def start(*args, processes, log):
     """A training run in the background (its own process group), output to `log`."""
-    return subprocess.Popen(list(map(str, train_command(*args, processes=processes))), cwd=REPO, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def kill_everything(process):
-    """SIGKILL a run: the launcher and its workers (torchrun starts each worker in a session of its own)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    family, i = [process.pid], 0
-    while i < len(family):
-        family += parents.get(family[i], [])
-        i += 1
-    for pid in family:
-        os.kill(pid, signal.SIGKILL)
-    process.wait()
-
-
-def wait_for(condition, process, timeout=180):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, "the run ended before the moment the test waits for"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    return spawn(train_command(*args, processes=processes), log=log)
 
 
 def metrics(output_dir):

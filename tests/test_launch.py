@@ -7,35 +7,11 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
-from conftest import FASHION_MNIST, REPO, launch, require, run_command
+from conftest import (FASHION_MNIST, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
+                      launch, read_run, require, run_command)
 
 pytestmark = pytest.mark.slow
-
-
-def read_run(output_dir):
-    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    report = json.loads((output_dir / "classification_report.json").read_text())
-    return metrics, report
-
-
-def assert_two_processes_shared_the_data(metrics, *, train_size, batch_size):
-    for record in metrics:
-        per_process = record["train_samples_per_process"]
-        assert len(per_process) == 2 and per_process[0] == per_process[1]
-        # disjoint halves: together they cover every image once; the only repeats are the
-        # padding Accelerate adds so both processes take the same number of batches
-        assert record["train_unique_samples"] == train_size
-        assert train_size <= record["train_samples"] < train_size + 2 * batch_size
-        assert record["train_samples"] < 2 * train_size  # independent copies would each see everything
-
-
-def assert_each_test_sample_counted_once(metrics, report, labels, class_names):
-    counts = torch.bincount(labels, minlength=len(class_names)).tolist()
-    assert [report[name]["support"] for name in class_names] == counts
-    assert report["macro avg"]["support"] == len(labels)
-    assert all(record["val_samples"] == len(labels) for record in metrics)
 
 
 def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_path, fashion_subset):

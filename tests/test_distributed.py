@@ -1,0 +1,239 @@
+"""Beyond one machine, and failing well: two "machines" on loopback, Slurm, notebooks, dead and hung processes,
+a diverging loss, configuration mistakes."""
+
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from common.data import build_digits
+from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
+                      descendants, kill_everything, launch_command, read_run, run_command, spawn, wait_for, worker_pid)
+
+pytestmark = pytest.mark.slow
+MNIST = REPO / "scripts" / "train_mnist.py"
+DIGITS = ["--dataset", "digits", "--epochs", 2]
+DIGITS_TRAIN, DIGITS_TEST_SET = 1347, build_digits()[1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine_command(rank, port, *args):
+    """`accelerate launch` for machine `rank` of 2, one CPU process each, meeting at 127.0.0.1:port."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG, "--num_machines", 2,
+            "--num_processes", 2, "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
+            "--main_process_port", port, MNIST, *args]
+
+
+def run_machines(tmp_path, *args_per_machine, timeout=300):
+    """Start both machines' launches at once; (return code, output) of each."""
+    port = free_port()
+    processes = [spawn(machine_command(rank, port, *args), log=tmp_path / f"machine{rank}.log")
+                 for rank, args in enumerate(args_per_machine)]
+    try:
+        codes = [process.wait(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                kill_everything(process)
+    return [(code, (tmp_path / f"machine{rank}.log").read_text()) for rank, code in enumerate(codes)]
+
+
+def epoch_lines(output):
+    """The per-epoch summary lines without the timings (each machine's first process prints them)."""
+    return [re.sub(r"\s+[\d,]+ img/s\s+[\d.]+s$", "", line) for line in output.splitlines()
+            if re.match(r"epoch \d+/\d+ ", line)]
+
+
+# ---- several machines ----
+
+def test_two_machines_on_loopback_train_one_model(tmp_path):
+    output_dir = tmp_path / "run"  # one folder both "machines" see, as a shared filesystem
+    (code0, out0), (code1, out1) = run_machines(tmp_path, [*DIGITS, "--output_dir", output_dir],
+                                                [*DIGITS, "--output_dir", output_dir])
+    assert code0 == 0 and code1 == 0, out0 + out1
+    # both machines joined one job of 2 processes and took the same optimizer steps
+    for output in (out0, out1):
+        assert "22 optimizer steps; 2 process(es), MULTI_CPU" in output, output
+    assert epoch_lines(out0) == epoch_lines(out1) and len(epoch_lines(out0)) == 2
+    metrics, report = read_run(output_dir)
+    assert [m["step"] for m in metrics] == [11, 22]  # one writer: one line per epoch
+    # the data was split between the machines, and each test image was counted once
+    assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=64)
+    assert_each_test_sample_counted_once(metrics, report, DIGITS_TEST_SET.labels, DIGITS_TEST_SET.classes)
+    # the checkpoint holds both processes' random states; everything else was written once, by process 0
+    checkpoint = output_dir / "checkpoints" / "epoch_002_end"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
+    assert not [p.name for p in output_dir.iterdir() if p.name.startswith(".")]  # no probe or temporary left
+
+
+def test_an_output_dir_the_machines_do_not_share_is_refused(tmp_path):
+    (code0, out0), (code1, out1) = run_machines(tmp_path, [*DIGITS, "--output_dir", tmp_path / "node0"],
+                                                [*DIGITS, "--output_dir", tmp_path / "node1"])
+    assert code0 != 0 and code1 != 0
+    for output in (out0, out1):
+        assert "is not shared between the machines: processes [1] do not see the file process 0 wrote" in output
+    assert not (tmp_path / "node0" / "metrics.jsonl").exists()
+
+
+def test_slurm_batch_file_starts_one_launch_per_node(tmp_path):
+    """The batch file under a stand-in `srun` that runs its command once per node, on this machine."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        "srun": '#!/bin/bash\n# srun --kill-on-bad-exit=1 CMD...: run CMD once per node, SLURM_NODEID 0..N-1\n'
+                'shift\nfor ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node SLURM_PROCID=$node '
+                '"$@" > "$SRUN_LOGS/node$node.log" 2>&1 & done\nstatus=0\nfor job in $(jobs -p); do '
+                'wait $job || status=1; done\nexit $status\n',
+        "scontrol": '#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n',  # `scontrol show hostnames`: first node first
+        "accelerate": f'#!/bin/bash\nexec {sys.executable} -m accelerate.commands.accelerate_cli "$@"\n',
+    }
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    output_dir = tmp_path / "run"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path), "SLURM_SUBMIT_DIR": str(REPO),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SCRIPT": "scripts/train_mnist.py", "CONFIG": "accelerate_configs/cpu.yaml", "GPUS_PER_NODE": "1",
+           "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(output_dir)}
+    result = run_command(["bash", REPO / "scripts" / "slurm" / "train_multinode.sbatch", *DIGITS], env=env)
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert result.returncode == 0, result.output + "".join(logs)
+    assert f"2 nodes x 1 processes, main 127.0.0.1:{env['MAIN_PORT']}, output {output_dir}" in result.output
+    for log in logs:
+        assert "22 optimizer steps; 2 process(es), MULTI_CPU" in log, log
+    metrics, report = read_run(output_dir)
+    assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=64)
+
+
+# ---- a process fails ----
+
+def start_long_run(tmp_path, *extra):
+    """2 processes on digits for long enough to be interrupted; returns the launcher once epoch 1 is saved."""
+    output_dir = tmp_path / "run"
+    launcher = spawn(launch_command(MNIST, "--dataset", "digits", "--epochs", 200, "--batch_size", 16,
+                                    "--output_dir", output_dir, *extra), log=tmp_path / "log")
+    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), launcher)
+    return launcher
+
+
+def test_a_killed_process_ends_the_whole_launch(tmp_path):
+    launcher = start_long_run(tmp_path)
+    try:
+        os.kill(worker_pid(launcher.pid, rank=1), signal.SIGKILL)
+        killed = time.monotonic()
+        code = launcher.wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        kill_everything(launcher)
+    output = (tmp_path / "log").read_text()
+    assert code != 0 and took < 60, (code, took, output)
+    # torchrun names the dead process as the root cause
+    assert re.search(r"Root Cause[^=]*rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", output), output
+
+
+def test_a_hung_process_ends_the_launch_after_dist_timeout(tmp_path):
+    """A process that stops answering (SIGSTOP: alive, but silent) makes the others fail after --dist_timeout."""
+    launcher = start_long_run(tmp_path, "--dist_timeout", 5)
+    hung = worker_pid(launcher.pid, rank=1)
+    try:
+        os.kill(hung, signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = launcher.wait(timeout=150)
+        took = time.monotonic() - stopped
+    finally:
+        for pid in descendants(launcher.pid) + [hung]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
+    output = (tmp_path / "log").read_text()
+    assert code != 0, output
+    assert 5 <= took < 90, (took, output)  # 5 s of timeout, then torchrun's grace period for the stopped process
+    assert re.search(r"[Tt]imed out|[Tt]imeout", output), output
+
+
+# ---- the loss diverges ----
+
+def test_a_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
+    output_dir = tmp_path / "run"
+    result = run_command([sys.executable, MNIST, "--dataset", "digits", "--epochs", 3, "--lr", 1e6,
+                          "--checkpoint_every", 2, "--keep_checkpoints", 100, "--output_dir", output_dir])
+    assert result.returncode == 2, result.output
+    found = re.search(r"error: the loss became nan or inf at optimizer step (\d+) \(epoch 1\); training stopped "
+                      r"there and saved nothing after it", result.output)
+    assert found, result.output
+    bad_step = int(found.group(1))
+    checkpoints = sorted((output_dir / "checkpoints").glob("epoch_*"))
+    assert checkpoints, "the steps before the nan were checkpointed"
+    for checkpoint in checkpoints:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        assert state["step"] < bad_step
+        assert all(tensor.isfinite().all() for tensor in load_file(checkpoint / "model.safetensors").values())
+    assert not (output_dir / "best").exists() and not (output_dir / "metrics.jsonl").exists()
+
+
+# ---- configuration mistakes ----
+
+def test_fp16_on_a_cpu_is_refused(tmp_path):
+    result = run_command([sys.executable, MNIST, *DIGITS, "--mixed_precision", "fp16", "--output_dir", tmp_path])
+    assert result.returncode == 2
+    assert "error: mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_missing_accelerate_config_file_is_named(tmp_path):
+    """Accelerate's own launcher answers this one, before our code runs; the README quotes it."""
+    result = run_command([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          tmp_path / "4gpus.yaml", MNIST, *DIGITS])
+    assert result.returncode != 0
+    assert f"The passed configuration file `{tmp_path / '4gpus.yaml'}` does not exist" in result.output
+
+
+def test_a_busy_port_on_the_main_machine_is_named(tmp_path):
+    """One machine's launch finds a busy port and picks another; with several machines they must agree on one,
+    so Accelerate's launcher stops and names it (the README says what to do)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_command(machine_command(0, port, *DIGITS, "--output_dir", tmp_path / "run"), timeout=120)
+    assert result.returncode != 0
+    assert (f"Tried to launch distributed communication on port `{port}`, but another process is utilizing it"
+            in result.output), result.output
+
+
+# ---- notebooks ----
+
+def test_notebook_launcher_runs_a_scripts_main_on_two_processes(tmp_path):
+    """What a notebook cell does: import a script, build its arguments, hand its main to notebook_launcher."""
+    cell = f"""
+import sys
+sys.path.insert(0, {str(REPO / "scripts")!r})
+from accelerate import notebook_launcher
+import train_mnist
+
+args = train_mnist.parse_args(["--dataset", "digits", "--epochs", "2", "--output_dir", {str(tmp_path / "run")!r}])
+notebook_launcher(train_mnist.main, (args,), num_processes=2)
+"""
+    result = run_command([sys.executable, "-c", cell], cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    # (Accelerate's own line says "Launching training on 2 CUDAs." whatever the device; ours tells the truth)
+    assert "22 optimizer steps; 2 process(es), MULTI_CPU" in result.output
+    metrics, report = read_run(tmp_path / "run")
+    assert len(metrics) == 2
+    assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=64)
+    assert_each_test_sample_counted_once(metrics, report, DIGITS_TEST_SET.labels, DIGITS_TEST_SET.classes)
