@@ -1,6 +1,7 @@
 """Command-line plumbing shared by the scripts: the common flags, user errors, the output folder."""
 
 import argparse
+import re
 import shutil
 import sys
 import uuid
@@ -22,7 +23,8 @@ def run(main, args):
     """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback.
 
     A run stopped by SIGTERM exits with 143, the code of a process killed by SIGTERM, so schedulers see
-    that it did not finish.
+    that it did not finish. A collective that timed out (--dist_timeout) is another process's failure:
+    it is said in one line, exit code 1.
     """
     try:
         return main(args)
@@ -31,6 +33,13 @@ def run(main, args):
         sys.exit(2)
     except Interrupted:
         sys.exit(143)
+    except RuntimeError as error:
+        if not (torch.distributed.is_initialized() and re.search(r"time ?out|timed out", str(error), re.IGNORECASE)):
+            raise
+        print(f"error: waited longer than --dist_timeout for the other processes ({str(error).strip()}): one of them "
+              "hung or its machine was lost, and its own output says why. Continue from the last checkpoint with "
+              "--resume latest.", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule,

@@ -93,7 +93,8 @@ def preprocess(images, *, mean, std, padding=0, flip=False):
 # --- CIFAR-10 -------------------------------------------------------------------------------------
 
 def build_cifar10(data_dir, *, download=False):
-    """(train, test) InMemoryDatasets from the python batches, their .tar.gz, an ImageFolder tree or `hf:NAME`."""
+    """(train, test) InMemoryDatasets from the python batches, their .tar.gz, an ImageFolder tree (train/ and
+    test/ or val/) or `hf:NAME`."""
     data_dir = str(data_dir)
     if data_dir.startswith("hf:"):
         return _cifar10_from_hf(data_dir[3:])
@@ -106,15 +107,16 @@ def build_cifar10(data_dir, *, download=False):
         raise UserError(
             f"no CIFAR-10 found at {root}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
             f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "
-            f"{root}/test/<class>/*.jpg, or --data_dir hf:NAME_OR_PATH for a Hugging Face dataset. "
-            "Add --download to fetch the official batches (needs internet)."
+            f"{root}/test/<class>/*.jpg (or val/, as scripts/split_dataset.py writes), or --data_dir "
+            "hf:NAME_OR_PATH for a Hugging Face dataset. Add --download to fetch the official batches (needs internet)."
         )
     kind, path = found
     if kind == "folder":
+        held_out = path / "test" if (path / "test").is_dir() else path / "val"
         train = load_image_folder(path / "train", size=(32, 32))
-        test = load_image_folder(path / "test", size=(32, 32))
+        test = load_image_folder(held_out, size=(32, 32))
         if train.classes != test.classes:
-            raise UserError(f"{path}/train and {path}/test have different class folders: "
+            raise UserError(f"{path}/train and {held_out} have different class folders: "
                             f"{train.classes} vs {test.classes}")
         return train, test
     return _cifar10_from_batches(kind, path)
@@ -128,7 +130,7 @@ def _find_cifar10(root):
         if archive.is_file() and archive.name.endswith((".tar.gz", ".tgz")):
             return "archive", archive
     for folder in (root, root / "cifar10"):
-        if (folder / "train").is_dir() and (folder / "test").is_dir():
+        if (folder / "train").is_dir() and ((folder / "test").is_dir() or (folder / "val").is_dir()):
             return "folder", folder
     return None
 

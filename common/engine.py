@@ -59,7 +59,7 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
         train_dataloader = accelerator.skip_first_batches(train_dataloader, progress["batch"])
         train_dataloader.set_epoch(epoch)  # older Accelerate releases start the skipping loader at epoch 0
     totals = _start_totals(accelerator, progress.pop("epoch_totals", None))
-    nonfinite_step = torch.full((), _NONE, dtype=torch.long, device=accelerator.device)  # first step with a nan/inf loss
+    nonfinite_step = torch.full((), _NONE, device=accelerator.device)  # the first step with a nan/inf loss
     start, resumed_samples = time.perf_counter(), totals["samples"]
 
     def images_per_s():  # all processes, timed from this call: a resumed epoch's earlier part is not in it
@@ -78,7 +78,8 @@ def train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerato
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         # recorded on the device and checked only where the host waits anyway, before anything is saved
-        nonfinite_step = torch.minimum(nonfinite_step, torch.where(loss.detach().isfinite(), _NONE, progress["step"] + 1))
+        this_step = torch.where(loss.detach().isfinite(), _NONE, progress["step"] + 1)
+        nonfinite_step = torch.minimum(nonfinite_step, this_step)
         totals["loss_sum"] += loss.detach() * len(labels)
         totals["samples"] += len(labels)
         totals["indices"].append(batch["index"])

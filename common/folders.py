@@ -173,8 +173,8 @@ def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                                        num_workers=num_workers, pin_memory=torch.cuda.is_available(),
                                        persistent_workers=num_workers > 0,
-                                       prefetch_factor=prefetch_factor if num_workers > 0 else None, generator=torch.Generator(),
-                                       worker_init_fn=_ignore_sigterm)
+                                       prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                                       generator=torch.Generator(), worker_init_fn=_ignore_sigterm)
 
 
 def _ignore_sigterm(worker_id):

@@ -7,11 +7,12 @@ scale it with the global batch size if you change that a lot.
 Accuracy and time: see README "Results" (only what was measured is reported there).
 
 Data (--data_dir): the official python batches (`cifar-10-batches-py/` or `cifar-10-python.tar.gz`),
-an ImageFolder tree with `train/` and `test/`, or `hf:NAME_OR_PATH` (a Hugging Face dataset with
+an ImageFolder tree with `train/` and `test/` (or `val/`), or `hf:NAME_OR_PATH` (a Hugging Face dataset with
 train and test splits). `--download` fetches the official batches when online.
 
 Launch:
     accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_cifar.py --data_dir data --download
+    accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_cifar.py --data_dir data --channels_last --compile
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_cifar.py --data_dir data
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_cifar.py --data_dir data --epochs 1
 

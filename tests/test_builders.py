@@ -98,8 +98,12 @@ def test_cifar_folder_batches_archive_and_hf_give_the_same_pixels(tmp_path, cifa
         for split, ds in (("train", train), ("test", test))})
     splits.save_to_disk(tmp_path / "hf")
     from_hf = build_cifar10(f"hf:{tmp_path / 'hf'}")
+    # split_dataset.py's layout: train/ + val/
+    shutil.copytree(cifar_jpegs / "train", tmp_path / "split" / "train")
+    shutil.copytree(cifar_jpegs / "test", tmp_path / "split" / "val")
+    from_split = build_cifar10(tmp_path / "split")
 
-    for other_train, other_test in (from_batches, from_archive, from_hf):
+    for other_train, other_test in (from_batches, from_archive, from_hf, from_split):
         assert torch.equal(other_train.images, train.images) and torch.equal(other_train.labels, train.labels)
         assert torch.equal(other_test.images, test.images) and torch.equal(other_test.labels, test.labels)
 

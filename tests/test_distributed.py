@@ -163,7 +163,7 @@ def test_a_hung_process_ends_the_launch_after_dist_timeout(tmp_path):
     output = (tmp_path / "log").read_text()
     assert code != 0, output
     assert 5 <= took < 90, (took, output)  # 5 s of timeout, then torchrun's grace period for the stopped process
-    assert re.search(r"[Tt]imed out|[Tt]imeout", output), output
+    assert "error: waited longer than --dist_timeout for the other processes (" in output, output
 
 
 # ---- the loss diverges ----
