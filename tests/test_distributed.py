@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 
@@ -29,18 +30,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def machine_command(rank, port, *args):
-    """`accelerate launch` for machine `rank` of 2, one CPU process each, meeting at 127.0.0.1:port."""
+def machine_command(rank, port, *args, main_ip="127.0.0.1"):
+    """`accelerate launch` for machine `rank` of 2, one CPU process each, meeting at main_ip:port."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG, "--num_machines", 2,
-            "--num_processes", 2, "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
+            "--num_processes", 2, "--machine_rank", rank, "--main_process_ip", main_ip,
             "--main_process_port", port, MNIST, *args]
 
 
-def run_machines(tmp_path, *args_per_machine, timeout=300):
-    """Start both machines' launches at once; (return code, output) of each."""
+def run_machines(tmp_path, *args_per_machine, main_ip="127.0.0.1", prefixes=([], []), timeout=300):
+    """Start both machines' launches at once (each command after its prefix); (return code, output) of each."""
     port = free_port()
-    processes = [spawn(machine_command(rank, port, *args), log=tmp_path / f"machine{rank}.log")
-                 for rank, args in enumerate(args_per_machine)]
+    processes = [spawn([*prefix, *machine_command(rank, port, *args, main_ip=main_ip)],
+                       log=tmp_path / f"machine{rank}.log")
+                 for rank, (prefix, args) in enumerate(zip(prefixes, args_per_machine))]
     try:
         codes = [process.wait(timeout=timeout) for process in processes]
     finally:
@@ -58,10 +60,36 @@ def epoch_lines(output):
 
 # ---- several machines ----
 
-def test_two_machines_on_loopback_train_one_model(tmp_path):
+@pytest.fixture
+def network_namespaces():
+    """Two network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2: two hosts as far as the network
+    goes. Needs root and `ip netns` (the CI machine has both)."""
+    names = [f"mach{os.getpid()}x{i}" for i in (0, 1)]
+    veths = [f"vm{os.getpid() % 100000}x{i}" for i in (0, 1)]
+    steps = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
+             ["ip", "link", "add", veths[0], "type", "veth", "peer", "name", veths[1]]]
+    for i in (0, 1):
+        steps += [["ip", "link", "set", veths[i], "netns", names[i]],
+                  ["ip", "-n", names[i], "addr", "add", f"10.77.0.{i + 1}/24", "dev", veths[i]],
+                  ["ip", "-n", names[i], "link", "set", veths[i], "up"],
+                  ["ip", "-n", names[i], "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            if subprocess.run(step, capture_output=True).returncode != 0:
+                pytest.skip(f"cannot make network namespaces here ({' '.join(step)} failed): needs root and iproute2")
+        # gloo binds to the interface named here, not to what the host name resolves to
+        yield [["ip", "netns", "exec", names[i], "env", f"GLOO_SOCKET_IFNAME={veths[i]}"] for i in (0, 1)]
+    finally:
+        for name in names:  # deleting a namespace deletes its end of the veth pair, and the pair with it
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.parametrize("network", ["loopback", "veth"])
+def test_two_machines_train_one_model(tmp_path, network, request):
     output_dir = tmp_path / "run"  # one folder both "machines" see, as a shared filesystem
+    where = {"main_ip": "10.77.0.1", "prefixes": request.getfixturevalue("network_namespaces")} if network == "veth" else {}
     (code0, out0), (code1, out1) = run_machines(tmp_path, [*DIGITS, "--output_dir", output_dir],
-                                                [*DIGITS, "--output_dir", output_dir])
+                                                [*DIGITS, "--output_dir", output_dir], **where)
     assert code0 == 0 and code1 == 0, out0 + out1
     # both machines joined one job of 2 processes and took the same optimizer steps
     for output in (out0, out1):
