@@ -226,13 +226,15 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
 
 
 @pytest.mark.slow
-def test_compiled_channels_last_run_saves_plain_weights_and_resumes_compiled_or_not(tmp_path):
+def test_compiled_channels_last_bf16_run_saves_plain_weights_and_resumes_compiled_or_not(tmp_path):
     """--compile goes through Accelerate's dynamo plugin: best/ and checkpoints hold the plain model's names,
-    predict.py's loader reads them, and a resumed run may turn --compile on or off (a runtime flag)."""
+    predict.py's loader reads them, and a resumed run may turn --compile on or off (a runtime flag).
+    bf16 autocast (Accelerate's) runs on the CPU too."""
     from common.checkpoint import load_best_model
 
     output_dir = tmp_path / "run"
-    flags = ["--dataset", "digits", "--epochs", 2, "--batch_size", 32, "--compile", "--channels_last"]
+    flags = ["--dataset", "digits", "--epochs", 2, "--batch_size", 32, "--compile", "--channels_last",
+             "--mixed_precision", "bf16"]
     result = train(*flags, "--output_dir", output_dir, processes=2)
     assert result.returncode == 0, result.output
     for name in ("best/model.safetensors", "checkpoints/epoch_002_end/model.safetensors"):
@@ -240,6 +242,7 @@ def test_compiled_channels_last_run_saves_plain_weights_and_resumes_compiled_or_
         assert names and not [n for n in names if n.startswith("_orig_mod.")], name
     model, meta = load_best_model(output_dir / "best")
     assert meta["args"]["compile"] and meta["args"]["channels_last"]
+    assert "mixed precision bf16" in result.output
 
     for again in (["--compile"], []):  # from the end of epoch 1, compiled again, then eagerly
         resumed_dir = tmp_path / f"resumed{len(again)}"
