@@ -139,7 +139,8 @@ def main(args):
     ours_loader = accelerator.prepare(build_dataloader(dataset, batch_size=args.batch_size, shuffle=True))
     seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
                                               shuffle=True, num_workers=0)
-    for key, data_path, loader in (("data_ours", data_path_ours, ours_loader), ("data_seed", data_path_seed, seed_loader)):
+    for key, data_path, loader in (("data_ours", data_path_ours, ours_loader),
+                                   ("data_seed", data_path_seed, seed_loader)):
         data_path(loader, device)  # warm-up: first allocations, first device copies
         results[key] = timed(lambda: data_path(loader, device), device=device, repeats=args.repeats)
 
@@ -181,7 +182,7 @@ def main(args):
         ours_pass = partial(train_steps, ours_model, ours_optimizer, backward=accelerator.backward)
 
         def seed_batches():
-            return ((images.to(device, non_blocking=True), labels.to(device)) for images, labels in seed_loader)
+            return ((images.to(device), labels.to(device)) for images, labels in seed_loader)
 
         def ours_batches():
             return ((preprocess(b["image"], mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True), b["label"])

@@ -82,9 +82,9 @@ def worker_pid(launcher_pid, rank):
     raise AssertionError(f"no process of rank {rank} under {launcher_pid}")
 
 
-def kill_everything(process):
-    """SIGKILL a run: the launcher and all its workers."""
-    for pid in descendants(process.pid):
+def kill_everything(process, *strays):
+    """SIGKILL a run: the launcher, all its workers, and `strays` (pids that may have left the tree)."""
+    for pid in [*descendants(process.pid), *strays]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

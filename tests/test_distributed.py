@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from common.data import build_digits
 from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
-                      descendants, kill_everything, launch_command, read_run, run_command, spawn, wait_for, worker_pid)
+                      kill_everything, launch_command, read_run, run_command, spawn, wait_for, worker_pid)
 
 pytestmark = pytest.mark.slow
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -182,12 +182,7 @@ def test_a_hung_process_ends_the_launch_after_dist_timeout(tmp_path):
         code = launcher.wait(timeout=150)
         took = time.monotonic() - stopped
     finally:
-        for pid in descendants(launcher.pid) + [hung]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launcher.wait()
+        kill_everything(launcher, hung)
     output = (tmp_path / "log").read_text()
     assert code != 0, output
     assert 5 <= took < 90, (took, output)  # 5 s of timeout, then torchrun's grace period for the stopped process
