@@ -116,8 +116,9 @@ def test_an_output_dir_the_machines_do_not_share_is_refused(tmp_path):
     assert not (tmp_path / "node0" / "metrics.jsonl").exists()
 
 
-def test_slurm_batch_file_starts_one_launch_per_node(tmp_path):
-    """The batch file under a stand-in `srun` that runs its command once per node, on this machine."""
+def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tmp_path):
+    """The batch file under a stand-in `srun` that runs its command once per node, on this machine. Slurm's
+    SIGTERM before the time limit stops the job with a checkpoint; the requeued job continues from it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
@@ -136,14 +137,38 @@ def test_slurm_batch_file_starts_one_launch_per_node(tmp_path):
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
            "SCRIPT": "scripts/train_mnist.py", "CONFIG": "accelerate_configs/cpu.yaml", "GPUS_PER_NODE": "1",
            "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(output_dir)}
-    result = run_command(["bash", REPO / "scripts" / "slurm" / "train_multinode.sbatch", *DIGITS], env=env)
+    job = ["bash", REPO / "scripts" / "slurm" / "train_multinode.sbatch", "--dataset", "digits", "--epochs", 4,
+           "--batch_size", 16]
+
+    first = spawn(job, log=tmp_path / "first.log", env=env)
+    try:
+        wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), first)
+        os.killpg(first.pid, signal.SIGTERM)  # what --signal=TERM@120 does: every process of the job gets it
+        first.wait(timeout=60)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the last process of the job has saved and exited
+            try:
+                os.killpg(first.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+    finally:
+        kill_everything(first)
     logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
-    assert result.returncode == 0, result.output + "".join(logs)
-    assert f"2 nodes x 1 processes, main 127.0.0.1:{env['MAIN_PORT']}, output {output_dir}" in result.output
+    assert f"2 nodes x 1 processes, main 127.0.0.1:{env['MAIN_PORT']}, output {output_dir}" in (
+        tmp_path / "first.log").read_text()
     for log in logs:
-        assert "22 optimizer steps; 2 process(es), MULTI_CPU" in log, log
+        assert "172 optimizer steps; 2 process(es), MULTI_CPU" in log, log  # one job of 2 processes
+    assert re.search(r"stopped by SIGTERM at epoch [2-4], step \d+: saved", logs[0]), logs[0]
+
+    requeued = run_command(job, env=env)  # the same job started again, as `--requeue` does
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert requeued.returncode == 0, requeued.output + "".join(logs)
+    assert f"output {output_dir} --resume latest" in requeued.output
+    assert "resumed from" in logs[0]
     metrics, report = read_run(output_dir)
-    assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=64)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
+    assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=16)
 
 
 # ---- a process fails ----
