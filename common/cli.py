@@ -23,8 +23,8 @@ def run(main, args):
     """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback.
 
     A run stopped by SIGTERM exits with 143, the code of a process killed by SIGTERM, so schedulers see
-    that it did not finish. A collective that timed out (--dist_timeout) is another process's failure:
-    it is said in one line, exit code 1.
+    that it did not finish. A collective that timed out (--dist_timeout) or lost its peer is another
+    process's failure: it is said in one line, exit code 1.
     """
     try:
         return main(args)
@@ -34,12 +34,16 @@ def run(main, args):
     except Interrupted:
         sys.exit(143)
     except RuntimeError as error:
-        if not (torch.distributed.is_initialized() and re.search(r"time ?out|timed out", str(error), re.IGNORECASE)):
+        if not (torch.distributed.is_initialized() and re.search(PEER_LOST, str(error), re.IGNORECASE)):
             raise
-        print(f"error: waited longer than --dist_timeout for the other processes ({str(error).strip()}): one of them "
-              "hung or its machine was lost, and its own output says why. Continue from the last checkpoint with "
-              "--resume latest.", file=sys.stderr, flush=True)
+        print(f"error: lost the other processes ({' '.join(str(error).split())}): one of them failed, hung longer "
+              "than --dist_timeout, or its machine was lost; its own output says which. Continue from the last "
+              "checkpoint with --resume latest.", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+# what gloo and NCCL say when a collective's peer is gone or silent
+PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 
 def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule,

@@ -30,11 +30,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def machine_command(rank, port, *args, main_ip="127.0.0.1"):
+def machine_command(rank, port, *args, main_ip="127.0.0.1", script=MNIST):
     """`accelerate launch` for machine `rank` of 2, one CPU process each, meeting at main_ip:port."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG, "--num_machines", 2,
             "--num_processes", 2, "--machine_rank", rank, "--main_process_ip", main_ip,
-            "--main_process_port", port, MNIST, *args]
+            "--main_process_port", port, script, *args]
 
 
 def run_machines(tmp_path, *args_per_machine, main_ip="127.0.0.1", prefixes=([], []), timeout=300):
@@ -114,6 +114,26 @@ def test_an_output_dir_the_machines_do_not_share_is_refused(tmp_path):
     for output in (out0, out1):
         assert "is not shared between the machines: processes [1] do not see the file process 0 wrote" in output
     assert not (tmp_path / "node0" / "metrics.jsonl").exists()
+
+
+def test_a_machine_that_fails_at_the_start_ends_the_other_one_too(tmp_path, cifar_jpegs):
+    """Machine 1 has no data: it stops with its message, and machine 0, waiting for it, stops within seconds
+    saying that it lost the other process, instead of a gloo traceback or a hang."""
+    port, logs = free_port(), [tmp_path / "machine0.log", tmp_path / "machine1.log"]
+    machines = [spawn(machine_command(rank, port, "--data_dir", data_dir, "--max_steps", 2, "--output_dir",
+                                      tmp_path / "run", script=REPO / "scripts" / "train_cifar.py"), log=logs[rank])
+                for rank, data_dir in enumerate([cifar_jpegs, tmp_path / "missing"])]
+    started = time.monotonic()
+    try:
+        codes = [machine.wait(timeout=120) for machine in machines]
+    finally:
+        for machine in machines:
+            kill_everything(machine)
+    took = time.monotonic() - started
+    out0, out1 = (log.read_text() for log in logs)
+    assert codes[0] != 0 and codes[1] != 0 and took < 90, (codes, took)
+    assert f"error: no CIFAR-10 found at {tmp_path / 'missing'}" in out1, out1
+    assert "error: lost the other processes (" in out0 and "Traceback" not in out0.split("error: lost")[0], out0
 
 
 def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tmp_path):
@@ -211,7 +231,8 @@ def test_a_hung_process_ends_the_launch_after_dist_timeout(tmp_path):
     output = (tmp_path / "log").read_text()
     assert code != 0, output
     assert 5 <= took < 90, (took, output)  # 5 s of timeout, then torchrun's grace period for the stopped process
-    assert "error: waited longer than --dist_timeout for the other processes (" in output, output
+    assert re.search(r"error: lost the other processes \(.*([Tt]ime ?out|[Tt]imed out).*\): one of them failed, "
+                     r"hung longer than --dist_timeout", output), output
 
 
 # ---- the loss diverges ----
