@@ -37,10 +37,10 @@ def machine_command(rank, port, *args, main_ip="127.0.0.1", script=MNIST):
             "--main_process_port", port, script, *args]
 
 
-def run_machines(tmp_path, *args_per_machine, main_ip="127.0.0.1", prefixes=([], []), timeout=300):
+def run_machines(tmp_path, *args_per_machine, main_ip="127.0.0.1", prefixes=([], []), script=MNIST, timeout=300):
     """Start both machines' launches at once (each command after its prefix); (return code, output) of each."""
     port = free_port()
-    processes = [spawn([*prefix, *machine_command(rank, port, *args, main_ip=main_ip)],
+    processes = [spawn([*prefix, *machine_command(rank, port, *args, main_ip=main_ip, script=script)],
                        log=tmp_path / f"machine{rank}.log")
                  for rank, (prefix, args) in enumerate(zip(prefixes, args_per_machine))]
     try:
@@ -119,19 +119,13 @@ def test_an_output_dir_the_machines_do_not_share_is_refused(tmp_path):
 def test_a_machine_that_fails_at_the_start_ends_the_other_one_too(tmp_path, cifar_jpegs):
     """Machine 1 has no data: it stops with its message, and machine 0, waiting for it, stops within seconds
     saying that it lost the other process, instead of a gloo traceback or a hang."""
-    port, logs = free_port(), [tmp_path / "machine0.log", tmp_path / "machine1.log"]
-    machines = [spawn(machine_command(rank, port, "--data_dir", data_dir, "--max_steps", 2, "--output_dir",
-                                      tmp_path / "run", script=REPO / "scripts" / "train_cifar.py"), log=logs[rank])
-                for rank, data_dir in enumerate([cifar_jpegs, tmp_path / "missing"])]
     started = time.monotonic()
-    try:
-        codes = [machine.wait(timeout=120) for machine in machines]
-    finally:
-        for machine in machines:
-            kill_everything(machine)
+    (code0, out0), (code1, out1) = run_machines(
+        tmp_path, *[["--data_dir", data_dir, "--max_steps", 2, "--output_dir", tmp_path / "run"]
+                    for data_dir in (cifar_jpegs, tmp_path / "missing")],
+        script=REPO / "scripts" / "train_cifar.py", timeout=120)
     took = time.monotonic() - started
-    out0, out1 = (log.read_text() for log in logs)
-    assert codes[0] != 0 and codes[1] != 0 and took < 90, (codes, took)
+    assert code0 != 0 and code1 != 0 and took < 90, (code0, code1, took)
     assert f"error: no CIFAR-10 found at {tmp_path / 'missing'}" in out1, out1
     assert "error: lost the other processes (" in out0 and "Traceback" not in out0.split("error: lost")[0], out0
 
