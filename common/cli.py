@@ -34,7 +34,9 @@ def run(main, args):
     except Interrupted:
         sys.exit(143)
     except RuntimeError as error:
-        if not (torch.distributed.is_initialized() and re.search(PEER_LOST, str(error), re.IGNORECASE)):
+        from_collective = isinstance(error, torch.distributed.DistError) or re.search(r"gloo|nccl|c10d", str(error))
+        if not (torch.distributed.is_initialized() and from_collective
+                and re.search(PEER_LOST, str(error), re.IGNORECASE)):
             raise
         print(f"error: lost the other processes ({' '.join(str(error).split())}): one of them failed, hung longer "
               "than --dist_timeout, or its machine was lost; its own output says which. Continue from the last "
@@ -42,7 +44,8 @@ def run(main, args):
         sys.exit(1)
 
 
-# what gloo and NCCL say when a collective's peer is gone or silent
+# what gloo and NCCL say when a collective's peer is gone or silent (other timeouts, a DataLoader's say, stay
+# tracebacks: the error must also come from the process group)
 PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 

@@ -112,7 +112,7 @@ def build_cifar10(data_dir, *, download=False):
         )
     kind, path = found
     if kind == "folder":
-        held_out = path / "test" if (path / "test").is_dir() else path / "val"
+        held_out = _held_out_folder(path)
         train = load_image_folder(path / "train", size=(32, 32))
         test = load_image_folder(held_out, size=(32, 32))
         if train.classes != test.classes:
@@ -120,6 +120,11 @@ def build_cifar10(data_dir, *, download=False):
                             f"{train.classes} vs {test.classes}")
         return train, test
     return _cifar10_from_batches(kind, path)
+
+
+def _held_out_folder(folder):
+    """folder/test, else folder/val (what scripts/split_dataset.py writes), else None."""
+    return next((folder / name for name in ("test", "val") if (folder / name).is_dir()), None)
 
 
 def _find_cifar10(root):
@@ -130,7 +135,7 @@ def _find_cifar10(root):
         if archive.is_file() and archive.name.endswith((".tar.gz", ".tgz")):
             return "archive", archive
     for folder in (root, root / "cifar10"):
-        if (folder / "train").is_dir() and ((folder / "test").is_dir() or (folder / "val").is_dir()):
+        if (folder / "train").is_dir() and _held_out_folder(folder):
             return "folder", folder
     return None
 
