@@ -8,6 +8,7 @@ except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for
 
 import csv
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -15,16 +16,10 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .cli import RUN_FILES, UserError
+from .errors import UserError
+from .outputs import RUN_FILES, remove_previous_run, write_atomically
 from .models import build_model
 from .reporting import read_metrics
-
-
-def _write_atomically(path, write):
-    """Write through a temporary file and rename it, so a kill never leaves a half-written `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def _fsync(path):
@@ -89,21 +84,54 @@ def load_best_model(model_dir):
             raise UserError(f"{path} not found: pass the best/ folder a training run wrote")
     try:
         meta = json.loads(meta_path.read_text())
-        model = build_model(meta["architecture"], **meta["model_kwargs"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise UserError(f"{meta_path} is not a model description written by our training scripts ({error})") from None
+        problem = _check_meta(meta)
+    except ValueError as error:
+        problem = f"not JSON ({error})"
+    if problem:
+        raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "
+                        "use the meta.json the run wrote beside model.safetensors")
+    model = build_model(meta["architecture"], **meta["model_kwargs"])
     check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
     model.load_state_dict(load_file(weights_path))
     return model.eval(), meta
 
 
+def _check_meta(meta):
+    """What is wrong with a best/meta.json, or None: every field predict.py and evaluation use."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    kwargs, classes = meta.get("model_kwargs"), meta.get("class_names")
+    if not isinstance(meta.get("architecture"), str):
+        return f"'architecture' is {meta.get('architecture')!r}"
+    if not (isinstance(kwargs, dict) and {"num_classes", "in_chans"} <= kwargs.keys()
+            and all(isinstance(kwargs[k], int) and kwargs[k] > 0 for k in ("num_classes", "in_chans"))):
+        return f"'model_kwargs' is {kwargs!r}, not num_classes and in_chans"
+    if not (isinstance(classes, list) and len(classes) == kwargs["num_classes"]):
+        return f"'class_names' is not a list of {kwargs['num_classes']} names"
+    size = meta.get("image_size")
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+        return f"'image_size' is {size!r}, not [height, width]"
+    for name in ("mean", "std"):
+        values = meta.get(name)
+        if not (isinstance(values, list) and len(values) == kwargs["in_chans"]
+                and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)):
+            return f"{name!r} is {values!r}, not {kwargs['in_chans']} numbers"
+    if min(meta["std"]) <= 0:
+        return f"'std' is {meta['std']}: every value must be above 0"
+    return None
+
+
 def check_weights(model, weights_path, *, expected):
     """Name both sides when a safetensors file does not fit the model, instead of PyTorch's list of keys."""
+    if not Path(weights_path).is_file():
+        raise UserError(f"{weights_path} is missing (deleted?): the folder is incomplete. Use another checkpoint or "
+                        "best/ folder, or train again")
     try:
         with safe_open(weights_path, framework="pt") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (SafetensorError, OSError) as error:
-        raise UserError(f"{weights_path} is corrupt or not a safetensors file ({error})") from None
+        raise UserError(f"{weights_path} is corrupt or not a safetensors file ({error}); use another checkpoint or "
+                        "best/ folder, or train again") from None
     own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     missing, unexpected = own.keys() - shapes.keys(), shapes.keys() - own.keys()
     mismatched = [(k, shapes[k], shape) for k, shape in own.items() if k in shapes and shapes[k] != shape]
@@ -143,8 +171,9 @@ def save_checkpoint(accelerator, output_dir, progress, *, lr_scheduler, meta, ke
                  **meta}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         _publish(tmp, final)  # replaces the same point saved before (a resumed run that stopped again at once)
-        _write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
+        write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
         _fsync(checkpoints)
+        remove_previous_run(output_dir)  # the run an --overwrite replaced: this run can now be resumed instead
         names = sorted(path.name for path in checkpoints.glob("epoch_*"))  # training order; `name` is the last
         for stale in [*checkpoints.glob(".tmp-*"), *(checkpoints / old for old in names[:-keep])]:
             shutil.rmtree(stale)  # a .tmp- folder is a save that was killed
@@ -158,12 +187,17 @@ def find_checkpoint(output_dir, resume):
     Reads only JSON, so it can run before anything is built: a resumed run takes its arguments from it.
     """
     output_dir = Path(output_dir)
+    checkpoints = output_dir / "checkpoints"
+    others = sorted(p.name for p in checkpoints.glob("epoch_*")) if checkpoints.is_dir() else []
+    choose = (f"Pass one of {', '.join(str(checkpoints / name) for name in others)}" if others
+              else "Check --output_dir, or start a new run without --resume") + "."
     if resume == "latest":
-        pointer = output_dir / "checkpoints" / "latest"
+        pointer = checkpoints / "latest"
         if not pointer.is_file():
-            raise UserError(f"--resume latest: no checkpoint in {pointer.parent} ({pointer.name} not found). "
-                            "Check --output_dir, or start a new run without --resume.")
-        path = pointer.parent / pointer.read_text().strip()
+            raise UserError(f"--resume latest: no checkpoint in {checkpoints} ({pointer.name} not found). {choose}")
+        path = checkpoints / pointer.read_text().strip()
+        if not path.is_dir():
+            raise UserError(f"--resume latest: {pointer} names {path.name}, which no longer exists. {choose}")
     else:
         path = Path(resume)
     state_path = path / "trainer_state.json"
@@ -172,17 +206,40 @@ def find_checkpoint(output_dir, resume):
                         "`latest` or a folder from OUTPUT_DIR/checkpoints/.")
     try:
         state = json.loads(state_path.read_text())
-        complete = {"args", "architecture", "model_kwargs", "epoch", "batch", "step"} <= state.keys()
-    except (ValueError, AttributeError):
-        complete = False
-    if not complete:
-        raise UserError(f"{state_path} is damaged or not written by our training scripts; "
-                        "resume from another checkpoint in that folder")
+        problem = _check_state(state)
+    except ValueError as error:
+        problem = f"not JSON ({error})"
+    if problem:
+        raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
+                        f"another checkpoint. {choose}")
     run_dir = path.resolve().parent.parent
     if run_dir != output_dir.resolve() and any((output_dir / name).exists() for name in RUN_FILES):
         raise UserError(f"{path} comes from the run in {run_dir}, but --output_dir {output_dir} holds another run. "
                         f"Resume with --output_dir {run_dir}, or into an empty --output_dir.")
     return {**state, "path": path}
+
+
+# what trainer_state.json must hold, and of which type (it is JSON: a hand edit can put anything there)
+STATE_FIELDS = {"args": dict, "architecture": str, "model_kwargs": dict, "epoch": int, "batch": int, "step": int,
+                "best_accuracy": (int, float), "lr_scheduler": dict, "num_processes": int}
+
+
+def _check_state(state):
+    """What is wrong with a checkpoint's trainer state, or None."""
+    if not isinstance(state, dict):
+        return "not a JSON object"
+    for name, kind in STATE_FIELDS.items():
+        if not isinstance(state.get(name), kind) or isinstance(state.get(name), bool):
+            return f"{name!r} is {state.get(name)!r}"
+    if min(state["epoch"] - 1, state["batch"], state["step"], state["num_processes"] - 1) < 0:
+        return f"epoch {state['epoch']}, batch {state['batch']}, step {state['step']} is not a point in a run"
+    totals = state.get("epoch_totals")
+    if state["batch"] and not (isinstance(totals, dict) and isinstance(totals.get("loss_sum"), (int, float))
+                               and isinstance(totals.get("indices"), list)
+                               and isinstance(totals.get("samples_per_process"), list)
+                               and len(totals["samples_per_process"]) == state["num_processes"]):
+        return "'epoch_totals' is missing or damaged"
+    return None
 
 
 def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler, meta, total_steps):
@@ -216,10 +273,10 @@ def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler,
                           "an uninterrupted one")
     try:
         accelerator.load_state(path)
-    except (RuntimeError, OSError, ValueError, KeyError, SafetensorError) as error:
+        lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
         raise UserError(f"checkpoint {path} is damaged ({error}); resume from an earlier one in "
                         f"{path.parent}") from None
-    lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
     progress = {key: checkpoint[key] for key in ("epoch", "batch", "step", "best_accuracy", "epoch_totals")
                 if key in checkpoint}
     checkpoints = Path(output_dir) / "checkpoints"
@@ -227,9 +284,9 @@ def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler,
         for later in checkpoints.glob("epoch_*"):  # resuming an older checkpoint: the run goes on from there
             if later.name > path.name:
                 shutil.rmtree(later)
-        _write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))
+        write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))
         kept = [record for record in read_metrics(output_dir) if record["epoch"] < progress["epoch"]]
-        _write_atomically(Path(output_dir) / "metrics.jsonl",
+        write_atomically(Path(output_dir) / "metrics.jsonl",
                           lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in kept)))
     accelerator.wait_for_everyone()
     accelerator.print(f"resumed from {path}: epoch {progress['epoch']}, batch {progress['batch']}, "

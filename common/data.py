@@ -22,8 +22,8 @@ from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cli import UserError
-from .folders import list_image_folder
+from .errors import UserError
+from .folders import convert_image, list_image_folder, read_image
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -99,10 +99,11 @@ def build_cifar10(data_dir, *, download=False):
     if data_dir.startswith("hf:"):
         return _cifar10_from_hf(data_dir[3:])
     root = Path(data_dir)
-    if download and _find_cifar10(root) is None:
-        import torchvision  # only needed to download
-        torchvision.datasets.CIFAR10(root=root, download=True)
     found = _find_cifar10(root)
+    if download and (found is None or found == ("archive", root / "cifar-10-python.tar.gz")
+                     and not tarfile.is_tarfile(found[1])):  # torchvision replaces an archive whose checksum is wrong
+        _download("CIFAR10", root)
+        found = _find_cifar10(root)
     if found is None:
         raise UserError(
             f"no CIFAR-10 found at {root}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
@@ -120,6 +121,17 @@ def build_cifar10(data_dir, *, download=False):
                             f"{train.classes} vs {test.classes}")
         return train, test
     return _cifar10_from_batches(kind, path)
+
+
+def _download(name, root):
+    """torchvision's download of dataset `name` into `root`; no network gives one message, not a traceback."""
+    import torchvision  # only needed to download
+
+    try:
+        getattr(torchvision.datasets, name)(root=root, download=True)
+    except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError on a bad file
+        raise UserError(f"--download: could not fetch {name} into {root} ({error}). Without internet (a compute "
+                        "node), download it on a machine that has it and copy the files into --data_dir") from None
 
 
 def _held_out_folder(folder):
@@ -161,6 +173,14 @@ def _read_batch(data, name):
         raise UserError(f"{name} is not a readable CIFAR-10 batch file ({error})") from None
 
 
+def check_labels(labels, classes, *, source):
+    """Every label must name one of `classes`: a label out of range would stop training hours in."""
+    labels = np.asarray(labels)
+    if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
+        raise UserError(f"{source} holds labels from {labels.min()} to {labels.max()}, but the dataset has "
+                        f"{len(classes)} classes (0 to {len(classes) - 1}): the file is damaged or from another dataset")
+
+
 def _cifar10_from_batches(kind, path):
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     if kind == "batches":
@@ -172,7 +192,9 @@ def _cifar10_from_batches(kind, path):
                 files = {Path(m.name).name: archive.extractfile(m).read()
                          for m in archive.getmembers() if m.isfile() and Path(m.name).name in names}
         except (tarfile.TarError, OSError, EOFError) as error:
-            raise UserError(f"cannot read {path} as a .tar.gz of CIFAR-10 batches ({error})") from None
+            raise UserError(f"cannot read {path} as a .tar.gz of CIFAR-10 batches ({error}): it is damaged or "
+                            "not the CIFAR-10 archive. Delete it and run with --download, or point --data_dir at "
+                            "another copy") from None
     train_names = [name for name in names[:5] if name in files]
     if not train_names or "test_batch" not in files:
         raise UserError(f"{path} lacks CIFAR-10 batch files: need data_batch_1..5 and test_batch, "
@@ -181,6 +203,7 @@ def _cifar10_from_batches(kind, path):
     test = _read_batch(files["test_batch"], f"{path}/test_batch")
 
     def dataset(images, labels):
+        check_labels(labels, CIFAR10_CLASSES, source=path)
         return InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), CIFAR10_CLASSES)
 
     return (dataset(np.concatenate([b[0] for b in train]), np.concatenate([b[1] for b in train])),
@@ -191,7 +214,11 @@ def _cifar10_from_hf(name_or_path):
     import datasets  # imported here: only this source needs it
 
     if Path(name_or_path).exists():
-        splits = datasets.load_from_disk(name_or_path)
+        try:
+            splits = datasets.load_from_disk(name_or_path)
+        except FileNotFoundError:
+            raise UserError(f"hf:{name_or_path} is a folder but not a dataset saved with datasets' save_to_disk. For "
+                            f"a folder of images pass --data_dir {name_or_path} (without hf:)") from None
     else:
         try:
             splits = datasets.load_dataset(name_or_path)
@@ -211,7 +238,7 @@ def _from_hf_split(split, name):
     if image_column is None or label_column is None:
         raise UserError(f"Hugging Face dataset {name!r} needs an Image column and a ClassLabel column, "
                         f"has {dict(split.features)}")
-    images = np.stack([np.asarray(image.convert("RGB").resize((32, 32))) for image in split[image_column]])
+    images = np.stack([np.asarray(convert_image(image).resize((32, 32))) for image in split[image_column]])
     labels = torch.tensor(split[label_column], dtype=torch.long)
     return InMemoryDataset(torch.from_numpy(images).permute(0, 3, 1, 2), labels,
                            split.features[label_column].names)
@@ -222,11 +249,10 @@ def decode_image(path, *, size, channels):
 
     Raises OSError or ValueError for a file that is not a readable image.
     """
-    with Image.open(path) as image:
-        image = image.convert("L" if channels == 1 else "RGB")
-        if image.size != (size[1], size[0]):
-            image = image.resize((size[1], size[0]), Image.BILINEAR)
-        return np.asarray(image).reshape(size[0], size[1], channels)
+    image = read_image(path, channels=channels)
+    if image.size != (size[1], size[0]):
+        image = image.resize((size[1], size[0]), Image.BILINEAR)
+    return np.asarray(image).reshape(size[0], size[1], channels)
 
 
 def load_image_folder(root, *, size):
@@ -287,9 +313,13 @@ DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # apt-get inst
 def read_idx(path):
     """An IDX file (gzipped or not) as a numpy uint8 array of the shape its header gives."""
     path = Path(path)
-    data = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as error:  # not gzip, or a .gz cut short
+        raise UserError(f"{path} is damaged ({error}): fetch it again (--download into a new --data_dir)") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise UserError(f"{path} is not an unsigned-byte IDX file (bad header)")
+        raise UserError(f"{path} is not an unsigned-byte IDX file (bad header): fetch it again")
     ndim = data[3]
     shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
@@ -309,43 +339,48 @@ def _find_idx(folder, stem):
 def build_mnist(data_dir, *, name="mnist", download=False):
     """(train, test) InMemoryDatasets for `mnist` or `fashion_mnist` from the four IDX files.
 
-    Looks in `data_dir`, `data_dir/raw`, the torchvision layout `data_dir/MNIST/raw` (or FashionMNIST),
-    and for Fashion-MNIST the Debian package's folder.
+    Looks in `data_dir`, `data_dir/raw` and the torchvision layout `data_dir/MNIST/raw` (or FashionMNIST),
+    nowhere else: a mistyped --data_dir must not train on other files.
     """
     root = Path(data_dir)
     folder = TORCHVISION_FOLDERS[name]
     candidates = [root, root / "raw", root / folder / "raw"]
-    if name == "fashion_mnist":
-        candidates.append(DEBIAN_FASHION_MNIST)
     found = next((c for c in candidates if _find_idx(c, IDX_FILES["train_images"])), None)
     if found is None and download:
-        import torchvision  # only needed to download
-
-        getattr(torchvision.datasets, folder)(root=root, download=True)
+        _download(folder, root)
         found = root / folder / "raw"
     if found is None:
         raise UserError(
             f"no {name} IDX files found; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: a folder "
             "with train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
             f"(each optionally .gz), or torchvision's {root}/{folder}/raw/. Add --download to fetch them "
-            "(needs internet)" + ("; on Debian: apt-get install dataset-fashion-mnist." if name == "fashion_mnist"
-                                  else ".")
+            "(needs internet)" + (f"; on Debian: apt-get install dataset-fashion-mnist, then --data_dir "
+                                  f"{DEBIAN_FASHION_MNIST}." if name == "fashion_mnist" else ".")
         )
-    arrays = {}
+    arrays, paths = {}, {}
     for key, stem in IDX_FILES.items():
-        path = _find_idx(found, stem)
-        if path is None:
+        paths[key] = _find_idx(found, stem)
+        if paths[key] is None:
             raise UserError(f"{found} has train-images-idx3-ubyte but lacks {stem} (or {stem}.gz)")
-        arrays[key] = read_idx(path)
+        arrays[key] = read_idx(paths[key])
+        wanted = 3 if key.endswith("images") else 1
+        if arrays[key].ndim != wanted:
+            raise UserError(f"{paths[key]} holds {'labels' if arrays[key].ndim == 1 else 'images'} of shape "
+                            f"{list(arrays[key].shape)}, not {key.split('_')[1]}: are the files swapped or misnamed?")
+    if arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
+        raise UserError(f"the training images in {found} are {arrays['train_images'].shape[1:]} pixels but the test "
+                        f"images are {arrays['test_images'].shape[1:]}: both must come from the same dataset")
     classes = FASHION_MNIST_CLASSES if name == "fashion_mnist" else MNIST_CLASSES
 
-    def dataset(images, labels):
+    def dataset(split):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         if len(images) != len(labels):
-            raise UserError(f"{found}: {len(images)} images but {len(labels)} labels")
+            raise UserError(f"{paths[f'{split}_images']} holds {len(images)} images but {paths[f'{split}_labels']} "
+                            f"{len(labels)} labels")
+        check_labels(labels, classes, source=paths[f"{split}_labels"])
         return InMemoryDataset(torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.copy()), classes)
 
-    return (dataset(arrays["train_images"], arrays["train_labels"]),
-            dataset(arrays["test_images"], arrays["test_labels"]))
+    return dataset("train"), dataset("test")
 
 
 def build_digits(*, test_fraction=0.25, seed=42):

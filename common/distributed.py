@@ -4,12 +4,13 @@ import os
 import signal
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
-from .cli import UserError
+from .errors import UserError
 
 
 # DDP warns when a parameter's gradient strides differ only along a size-1 dimension (the 1-channel
@@ -44,7 +45,9 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else None,
         gradient_accumulation_steps=grad_accum,
         log_with=None if report_to == "none" else report_to,
-        project_dir=output_dir,
+        # tracker logs (--report_to) in output_dir/logs/, one of the run's outputs that --overwrite sets aside
+        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=Path(output_dir) / "logs")
+        if output_dir else None,
         # seedable sampler: the shuffle order depends only on (seed, epoch), the same on every rank and on resume
         # non_blocking: batches (pinned by our loaders) go to the GPU without a host-device sync
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sklearn.metrics import f1_score
 from tqdm.auto import tqdm
 
-from .cli import Interrupted, UserError
+from .errors import Interrupted, UserError
 from .distributed import catch_sigterm, stop_requested
 
 

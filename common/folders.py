@@ -18,7 +18,7 @@ from PIL import Image
 from sklearn.model_selection import train_test_split
 from torchvision.transforms import v2
 
-from .cli import UserError
+from .errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -28,7 +28,8 @@ def list_image_folder(root):
     """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files."""
     root = Path(root)
     if not root.is_dir():
-        raise UserError(f"{root} not found: expected a folder of class folders, {root}/<class>/<image>.png")
+        raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
+                        f"folders, {root}/<class>/<image>.png")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
@@ -59,13 +60,16 @@ def find_images(inputs):
     return paths
 
 
-def split_dataset(labels, *, val_fraction, seed):
+def split_dataset(labels, *, val_fraction, seed, classes=None):
     """Stratified (train, val) index lists: scikit-learn's train_test_split, as the seed's makedata.py, plus
     stratify. Depends only on the sorted listing and the seed, so every rank and every run agree."""
     counts = np.bincount(labels)
-    if counts.min() < 2 or not 0 < val_fraction < 1:
-        raise UserError(f"cannot split with --val_fraction {val_fraction}: it must lie between 0 and 1 and every "
-                        f"class needs 2 images (the smallest has {counts.min()})")
+    if counts.min() < 2:
+        names = classes or [f"class {label}" for label in range(len(counts))]
+        few = [f"{name} ({count})" for name, count in zip(names, counts) if count < 2]
+        raise UserError(f"cannot split into train and val: every class needs at least 2 images, and "
+                        f"{', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer. Add images, or remove the class "
+                        "folder")
     try:
         train, val = train_test_split(np.arange(len(labels)), test_size=val_fraction, random_state=seed,
                                       stratify=labels)
@@ -78,6 +82,10 @@ def split_dataset(labels, *, val_fraction, seed):
 def find_splits(data_dir, *, val_fraction, seed):
     """({"files", "labels"} for train and val, classes, skipped) from `root/train` + `root/val`, or split from `root`."""
     root = Path(data_dir)
+    if (root / "train").is_dir() and not (root / "val").is_dir() and (root / "test").is_dir():
+        raise UserError(f"{root} has train/ and test/: the folder that chooses the best model must be called val/ "
+                        f"(rename {root / 'test'} to {root / 'val'}), or pass --data_dir {root / 'train'} to split "
+                        "the training images here")
     if (root / "train").is_dir() and (root / "val").is_dir():
         train_files, train_labels, classes, skipped = list_image_folder(root / "train")
         val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
@@ -88,15 +96,28 @@ def find_splits(data_dir, *, val_fraction, seed):
         return ({"files": train_files, "labels": train_labels}, {"files": val_files, "labels": val_labels},
                 classes, skipped + val_skipped)
     files, labels, classes, skipped = list_image_folder(root)
-    train, val = split_dataset(labels, val_fraction=val_fraction, seed=seed)
+    train, val = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
     return ({"files": [files[i] for i in train], "labels": [labels[i] for i in train]},
             {"files": [files[i] for i in val], "labels": [labels[i] for i in val]}, classes, skipped)
 
 
-def read_rgb(path):
-    """An image file as an RGB PIL image (the seedling PNGs are RGBA); OSError/ValueError if unreadable."""
-    with Image.open(path) as image:
-        return image.convert("RGB")
+def read_image(path, *, channels=3):
+    """An image file as a PIL image in RGB (`channels` 3: the seedling PNGs are RGBA) or grayscale (1),
+    through `convert_image`. Raises OSError or ValueError for a file that is not a readable image."""
+    try:
+        with Image.open(path) as image:
+            return convert_image(image, channels=channels)
+    except Image.DecompressionBombError as error:  # not an OSError: make it one more unreadable image
+        raise ValueError(str(error)) from None
+
+
+def convert_image(image, *, channels=3):
+    """A PIL image in RGB or grayscale. 16-bit images (Pillow modes I;16 and I: grayscale PNGs, TIFFs) are
+    scaled to 8 bits, 65535 -> 255: Pillow's own convert clips them, and nearly every pixel turns white."""
+    if image.mode.startswith("I"):
+        wide = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))
+    return image.convert("L" if channels == 1 else "RGB")
 
 
 def check_images(files, *, skip_bad_images, cache_size=None):
@@ -111,7 +132,7 @@ def check_images(files, *, skip_bad_images, cache_size=None):
 
     def decode(path):
         try:
-            image = read_rgb(path)
+            image = read_image(path)
             return shrink(image) if cache_size else True
         except (OSError, ValueError) as error:
             return error
@@ -160,7 +181,7 @@ class ImageFileDataset(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, index):
-        image = self.cache[index] if self.cache is not None else read_rgb(self.files[index])
+        image = self.cache[index] if self.cache is not None else read_image(self.files[index])
         return {"image": self.transform(image), "label": self.labels[index], "index": index}
 
 

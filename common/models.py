@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .cli import UserError
+from .errors import UserError
 
 
 def build_model(name, *, num_classes, in_chans=3, channels_last=False):

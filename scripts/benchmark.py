@@ -20,7 +20,6 @@ Training with its data (--train_images N > 0; images/s over N images, after one 
 Each figure is measured --repeats times; the table shows min and median, the JSON (--output) has all.
 """
 
-import argparse
 import contextlib
 import json
 import platform
@@ -36,7 +35,9 @@ from PIL import Image
 from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.cli import run  # noqa: E402
+from common.errors import run  # noqa: E402
+from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
+from common.outputs import check_output_file, write_atomically  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, InMemoryDataset, build_dataloader, decode_image, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.folders import list_image_folder  # noqa: E402
@@ -44,19 +45,20 @@ from common.models import build_model  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default="data/cifar10/train", help="CIFAR-10 JPEGs, DIR/<class>/*.jpg")
-    parser.add_argument("--images", type=int, default=5000, help="images used, spread over the classes")
-    parser.add_argument("--batch_size", type=int, default=128, help="default: %(default)s")
-    parser.add_argument("--train_steps", type=int, default=5, help="timed training steps per repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
-    parser.add_argument("--train_images", type=int, default=0,
+    parser.add_argument("--images", type=positive_int, default=5000, help="images used, spread over the classes")
+    parser.add_argument("--batch_size", type=positive_int, default=128, help="default: %(default)s")
+    parser.add_argument("--train_steps", type=positive_int, default=5, help="timed training steps per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="default: %(default)s")
+    parser.add_argument("--train_images", type=nonnegative_int, default=0,
                         help="also time whole training passes over this many images, ours vs the seed script's")
-    parser.add_argument("--seed_workers", type=int, default=0, help="DataLoader workers of the seed-style passes")
+    parser.add_argument("--seed_workers", type=nonnegative_int, default=0,
+                        help="DataLoader workers of the seed-style passes")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no", help="default: %(default)s")
     parser.add_argument("--channels_last", action="store_true")
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output", default=None, help="also write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -119,7 +121,17 @@ def train_steps(model, optimizer, batches, *, backward, autocast=contextlib.null
     return count
 
 
+def is_benchmark_json(path):
+    try:
+        return "data_speedup_median" in json.loads(Path(path).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def main(args):
+    if args.output:
+        check_output_file(args.output, suffix=".json", what="a JSON written by benchmark.py",
+                          is_ours=is_benchmark_json)
     device = torch.device(args.device)
     files, labels, classes, _ = list_image_folder(args.data_dir)
     stride = max(1, len(files) // args.images)
@@ -218,7 +230,7 @@ def main(args):
         print(f"training with data, ours / seed script: {results['train_with_data_speedup_median']:.1f}x (medians, "
               f"{len(files)} images a pass)")
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        write_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
     print(json.dumps(results))
     return results
 

@@ -7,7 +7,6 @@ their squares per channel in float64: the mean and standard deviation over all p
 not the seed's average of per-image standard deviations. Compute it on the training images only.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,14 +14,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.cli import UserError, run  # noqa: E402
-from common.folders import find_images, read_rgb  # noqa: E402
+from common.errors import UserError, run  # noqa: E402
+from common.flags import ArgumentParser  # noqa: E402
+from common.folders import find_images, read_image  # noqa: E402
+from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="images, searched recursively")
-    parser.add_argument("--output", default="mean_std.json", help="JSON to write (default: %(default)s)")
+    parser.add_argument("--output", default="mean_std.json",
+                        help="JSON to write; an existing one is replaced only if this script wrote it (default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -31,7 +33,7 @@ def mean_std(paths):
     total, squares, pixels = np.zeros(3), np.zeros(3), 0
     for path in paths:
         try:
-            image = np.asarray(read_rgb(path), dtype=np.float64).reshape(-1, 3) / 255.0
+            image = np.asarray(read_image(path), dtype=np.float64).reshape(-1, 3) / 255.0
         except (OSError, ValueError) as error:
             raise UserError(f"cannot read image {path}: {error}") from None
         total += image.sum(0)
@@ -41,13 +43,22 @@ def mean_std(paths):
     return mean, np.sqrt(np.maximum(squares / pixels - mean * mean, 0.0)), pixels
 
 
+def is_mean_std_json(path):
+    try:
+        return {"mean", "std"} <= json.loads(Path(path).read_text()).keys()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(args):
     folder = Path(args.folder)
     paths = find_images([args.folder])
+    check_output_file(args.output, suffix=".json", what="a JSON written by compute_mean_std.py",
+                      is_ours=is_mean_std_json)
     mean, std, pixels = mean_std(paths)
     stats = {"mean": mean.round(6).tolist(), "std": std.round(6).tolist(), "images": len(paths), "pixels": pixels,
              "folder": str(folder)}
-    Path(args.output).write_text(json.dumps(stats, indent=2) + "\n")
+    write_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
     print(f"{len(paths)} images, {pixels:,} pixels: mean {stats['mean']}, std {stats['std']} -> {args.output}")
 
 

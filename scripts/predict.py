@@ -8,7 +8,6 @@ Unreadable images are reported by name and skipped; the rest are still predicted
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
 """
 
-import argparse
 import csv
 import sys
 from pathlib import Path
@@ -17,35 +16,50 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import load_best_model  # noqa: E402
-from common.cli import run  # noqa: E402
 from common.data import decode_image, preprocess  # noqa: E402
-from common.folders import eval_transform, find_images, read_rgb  # noqa: E402
+from common.errors import UserError, run  # noqa: E402
+from common.flags import ArgumentParser, device, positive_int  # noqa: E402
+from common.folders import eval_transform, find_images, read_image  # noqa: E402
+from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", help="image files and/or folders (searched recursively)")
     parser.add_argument("--model_dir", required=True, help="a best/ folder written by a training script")
-    parser.add_argument("--output", default="predictions.csv", help="CSV to write (default: %(default)s)")
-    parser.add_argument("--top_k", type=int, default=3, help="classes per image (default: %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=64, help="default: %(default)s")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    parser.add_argument("--output", default="predictions.csv",
+                        help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
+    parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="default: %(default)s")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: %(default)s")
     return parser.parse_args(argv)
 
 
+def is_predictions_csv(path):
+    """A CSV this script wrote (its header), which a new run may replace."""
+    try:
+        with open(path, newline="") as f:
+            return next(csv.reader(f), [])[:3] == ["file", "class_1", "probability_1"]
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return False
+
+
 @torch.inference_mode()
 def main(args):
+    paths = find_images(args.inputs)
+    check_output_file(args.output, suffix=".csv", what="a CSV written by predict.py", is_ours=is_predictions_csv,
+                      inputs=paths, overwrite=args.overwrite)
     model, meta = load_best_model(args.model_dir)
     model.to(args.device)
     classes, size, channels = meta["class_names"], meta["image_size"], meta["model_kwargs"]["in_chans"]
     if "resize_size" in meta:  # the folder datasets' evaluation: short side to resize_size, center crop
         transform = eval_transform(size[0])
-        decode = lambda path: transform(read_rgb(path))  # noqa: E731
+        decode = lambda path: transform(read_image(path))  # noqa: E731
     else:  # the in-memory datasets were decoded straight to image_size
         decode = lambda path: torch.from_numpy(decode_image(path, size=size, channels=channels)).permute(2, 0, 1)  # noqa: E731
     top_k = min(args.top_k, len(classes))
-    paths = find_images(args.inputs)
     rows, failures = [], []
     for start in range(0, len(paths), args.batch_size):
         batch, kept = [], []
@@ -64,10 +78,17 @@ def main(args):
         for path, values, indices in zip(kept, top.values.tolist(), top.indices.tolist()):
             rows.append([str(path)] + [item for i, p in zip(indices, values) for item in (classes[i], f"{p:.6f}")])
 
-    with open(args.output, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["file"] + [f"{kind}_{k}" for k in range(1, top_k + 1) for kind in ("class", "probability")])
-        writer.writerows(rows)
+    if not rows:
+        raise UserError(f"none of the {len(paths)} images could be read (see the lines above); {args.output} was "
+                        "not written")
+
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["file"] + [f"{kind}_{k}" for k in range(1, top_k + 1) for kind in ("class", "probability")])
+            writer.writerows(rows)
+
+    write_atomically(args.output, write)
     print(f"predicted {len(rows)} images -> {args.output}" + (f"; skipped {len(failures)} unreadable" if failures else ""))
     return rows
 

@@ -10,7 +10,7 @@ lands in exactly one split; files that are not images are left out and counted. 
 is refused.
 """
 
-import argparse
+import errno
 import os
 import shutil
 import sys
@@ -18,32 +18,48 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.cli import UserError, run  # noqa: E402
+from common.errors import UserError, run  # noqa: E402
+from common.flags import ArgumentParser, number, seed  # noqa: E402
 from common.folders import list_image_folder, split_dataset  # noqa: E402
+from common.outputs import check_not_inside  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("source", help="folder of class folders")
     parser.add_argument("target", help="new or empty folder for train/ and val/")
-    parser.add_argument("--val_fraction", type=float, default=0.3, help="default: %(default)s")
-    parser.add_argument("--seed", type=int, default=42, help="default: %(default)s")
+    parser.add_argument("--val_fraction", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.3,
+                        help="default: %(default)s")
+    parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")
     parser.add_argument("--link", action="store_true", help="hard-link instead of copying (same filesystem)")
     return parser.parse_args(argv)
 
 
 def main(args):
     source, target = Path(args.source), Path(args.target)
+    check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(f"{target} exists and is not empty: choose a new folder, or remove it first")
     files, labels, classes, skipped = list_image_folder(source)
-    train, val = split_dataset(labels, val_fraction=args.val_fraction, seed=args.seed)
+    train, val = split_dataset(labels, val_fraction=args.val_fraction, seed=args.seed, classes=classes)
+    # written into a hidden folder beside the target and renamed at the end: a failure leaves no half target
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
     place = os.link if args.link else shutil.copy2
-    for split, indices in (("train", train), ("val", val)):
-        for i in indices:
-            destination = target / split / classes[labels[i]] / files[i].name
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            place(files[i], destination)
+    try:
+        for split, indices in (("train", train), ("val", val)):
+            for i in indices:
+                destination = partial / split / classes[labels[i]] / files[i].name
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                place(files[i], destination)
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.replace(partial, target)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        fix = ("--link needs the source and the target on the same filesystem: drop --link to copy"
+               if args.link and error.errno == errno.EXDEV else "nothing was written")
+        raise UserError(f"cannot write the split into {target} ({error.strerror}: {error.filename}); {fix}") from None
     counts = {split: Counter(labels[i] for i in indices) for split, indices in (("train", train), ("val", val))}
     width = max(map(len, classes))
     print(f"{'class':<{width}}  train    val")

@@ -20,7 +20,6 @@ Checkpoints: output_dir/checkpoints/ after every epoch (and every --checkpoint_e
 continue a stopped run exactly, mid-epoch included, with the same command plus `--resume latest`.
 """
 
-import argparse
 import math
 import sys
 import time
@@ -32,19 +31,22 @@ from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import end_epoch, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from common.cli import add_common_args, args_to_dict, check_args, prepare_output_dir, restore_args, run  # noqa: E402
+from common.errors import run  # noqa: E402
+from common.flags import ArgumentParser, add_common_args, args_to_dict, check_args, number, restore_args  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.engine import build_lr_scheduler, evaluate, train_one_epoch  # noqa: E402
+from common.outputs import prepare_output_dir, set_aside_earlier_run  # noqa: E402
 from common.models import build_model  # noqa: E402
 from common.reporting import describe_launch, finish_run, log_epoch  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet18_cifar",
                         help="resnet18_cifar, or any timm model name (default: %(default)s)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD Nesterov momentum (default: %(default)s)")
+    parser.add_argument("--momentum", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.9,
+                        help="SGD Nesterov momentum (default: %(default)s)")
     add_common_args(parser, output_dir="outputs/cifar", epochs=30, batch_size=128, lr=0.1, weight_decay=5e-4,
                     label_smoothing=0.1, schedule="onecycle")
     return parser.parse_args(argv)
@@ -54,12 +56,12 @@ def main(args):
     check_args(args)
     checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
     if checkpoint:  # a resumed run continues with the arguments it started with
-        args = restore_args(args, checkpoint["args"], defaults=vars(parse_args([])))
+        args = restore_args(args, checkpoint["args"], parse_args=parse_args)
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
                                     dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
-                                    accelerator=accelerator)
+                                    inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
 
     # data: uint8 tensors in memory; crop, flip and normalise happen on the device
@@ -85,6 +87,7 @@ def main(args):
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    set_aside_earlier_run(output_dir, accelerator)  # all read and checked: --overwrite may now move the old run
     accelerator.init_trackers("train_cifar", config=args_to_dict(args))
     accelerator.print(f"CIFAR-10: {len(train_set)} train / {len(eval_set)} test images, {total_steps} optimizer "
                       f"steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")

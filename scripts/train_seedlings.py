@@ -37,31 +37,34 @@ from timm.loss import SoftTargetCrossEntropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import end_epoch, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from common.cli import UserError, add_common_args, args_to_dict, check_args, prepare_output_dir, restore_args, run  # noqa: E402
+from common.errors import UserError, run  # noqa: E402
+from common.flags import (ArgumentParser, add_common_args, args_to_dict, check_args, nonnegative_float,  # noqa: E402
+                          nonnegative_int, number, probability, restore_args)
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.engine import build_lr_scheduler, evaluate, train_one_epoch  # noqa: E402
 from common.folders import (IMAGENET_MEAN, IMAGENET_STD, ImageFileDataset, build_file_dataloader,  # noqa: E402
                             build_transforms, check_images, find_splits, resize_size)
+from common.outputs import prepare_output_dir, set_aside_earlier_run  # noqa: E402
 from common.models import build_model, load_pretrained  # noqa: E402
 from common.reporting import describe_launch, finish_run, log_epoch  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet50", help="any timm model name (default: %(default)s)")
     parser.add_argument("--pretrained", default=None, metavar="FILE|hub",
                         help="ImageNet weights: a .safetensors/.pth file, or `hub` to download (online only)")
-    parser.add_argument("--image_size", type=int, default=224, help="train and eval crop (default: %(default)s)")
-    parser.add_argument("--val_fraction", type=float, default=0.3, help="when DIR is split here (default: %(default)s)")
+    parser.add_argument("--image_size", type=number(int, min=16, max=4096), default=224, help="train and eval crop (default: %(default)s)")
+    parser.add_argument("--val_fraction", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.3, help="when DIR is split here (default: %(default)s)")
     parser.add_argument("--mean_std", default=None, help="JSON from scripts/compute_mean_std.py (default: ImageNet's)")
-    parser.add_argument("--mixup_alpha", type=float, default=0.8, help="0 turns mixup off (default: %(default)s)")
-    parser.add_argument("--cutmix_alpha", type=float, default=1.0, help="0 turns cutmix off (default: %(default)s)")
-    parser.add_argument("--mixup_prob", type=float, default=0.1, help="share of batches mixed (default: %(default)s)")
-    parser.add_argument("--mixup_switch_prob", type=float, default=0.5, help="cutmix instead of mixup (default: %(default)s)")
+    parser.add_argument("--mixup_alpha", type=nonnegative_float, default=0.8, help="0 turns mixup off (default: %(default)s)")
+    parser.add_argument("--cutmix_alpha", type=nonnegative_float, default=1.0, help="0 turns cutmix off (default: %(default)s)")
+    parser.add_argument("--mixup_prob", type=probability, default=0.1, help="share of batches mixed (default: %(default)s)")
+    parser.add_argument("--mixup_switch_prob", type=probability, default=0.5, help="cutmix instead of mixup (default: %(default)s)")
     parser.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=None,
                         help="SyncBatchNorm (default: on with CUDA and more than one process, else off)")
-    parser.add_argument("--num_workers", type=int, default=4, help="DataLoader workers per process (default: %(default)s)")
+    parser.add_argument("--num_workers", type=nonnegative_int, default=4, help="DataLoader workers per process (default: %(default)s)")
     parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     add_common_args(parser, output_dir="outputs/seedlings", epochs=20, batch_size=32, lr=1e-4, weight_decay=0.0,
@@ -74,17 +77,22 @@ def read_mean_std(path):
         return IMAGENET_MEAN, IMAGENET_STD
     try:
         stats = json.loads(Path(path).read_text())
-        return tuple(stats["mean"]), tuple(stats["std"])
+        mean, std = [float(v) for v in stats["mean"]], [float(v) for v in stats["std"]]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"--mean_std {path}: not a JSON with mean and std written by scripts/compute_mean_std.py "
                         f"({error})") from None
+    if len(mean) != 3 or len(std) != 3 or not all(map(math.isfinite, mean + std)) or min(std) <= 0:
+        raise UserError(f"--mean_std {path}: needs 3 finite means and 3 stds above 0 (R, G, B), has mean {mean} and "
+                        f"std {std}. A std of 0 means a channel has one value in every image: leave --mean_std out "
+                        "to use ImageNet's")
+    return tuple(mean), tuple(std)
 
 
 def main(args):
     check_args(args)
     checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
     if checkpoint:  # a resumed run continues with the arguments it started with
-        args = restore_args(args, checkpoint["args"], defaults=vars(parse_args([])))
+        args = restore_args(args, checkpoint["args"], parse_args=parse_args, runtime={"num_workers", "cache_images"})
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
@@ -93,7 +101,7 @@ def main(args):
                                     grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
                                     dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
-                                    accelerator=accelerator)
+                                    inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
     mean, std = read_mean_std(args.mean_std)
 
@@ -145,6 +153,7 @@ def main(args):
                   switch_prob=args.mixup_switch_prob, label_smoothing=args.label_smoothing,
                   num_classes=len(classes)) if mixing else None
     loss_fn = SoftTargetCrossEntropy() if mixing else torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    set_aside_earlier_run(output_dir, accelerator)  # all read and checked: --overwrite may now move the old run
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(datasets['train'])} train / "
                       f"{len(datasets['val'])} val images, {total_steps} optimizer steps; SyncBatchNorm "

@@ -6,14 +6,14 @@ import re
 import shutil
 import signal
 import sys
-from argparse import Namespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common.checkpoint import _publish, checkpoint_name
-from common.cli import UserError, restore_args, run
+from common.errors import UserError, run
+from common.flags import restore_args
 from conftest import REPO, kill_everything, launch_command, run_command, spawn, wait_for
 
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -31,11 +31,16 @@ def train(*args, processes=1, script=MNIST):
     return run_command(train_command(*args, processes=processes, script=script))
 
 
-def refused(script, *args, capsys):
-    """Run a script's main in this process and return what it printed; it must stop with a UserError (exit 2)."""
+def load_script(script):
     spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def refused(script, *args, capsys):
+    """Run a script's main in this process and return what it printed; it must stop with a UserError (exit 2)."""
+    module = load_script(script)
     with pytest.raises(SystemExit) as stop:
         run(module.main, module.parse_args(list(map(str, args))))
     assert stop.value.code == 2
@@ -95,15 +100,20 @@ def test_checkpoint_names_sort_in_training_order():
     assert sorted(names) == names
 
 
-def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
-    defaults = {"lr": 0.01, "epochs": 2, "output_dir": "outputs/mnist", "resume": None, "data_dir": "data"}
-    saved = {"lr": 0.05, "epochs": 6, "output_dir": "/elsewhere", "resume": None, "data_dir": "/old", "model": "x"}
-    given = Namespace(**{**defaults, "output_dir": "runs/a", "resume": "latest", "data_dir": "/new"})
-    restored = restore_args(given, saved, defaults=defaults)
-    assert vars(restored) == {"lr": 0.05, "epochs": 6, "output_dir": "runs/a", "resume": "latest", "data_dir": "/new"}
+def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location(capsys):
+    parse_args = load_script(MNIST).parse_args
+    saved = {**vars(parse_args([])), "lr": 0.05, "epochs": 6, "output_dir": "/elsewhere", "data_dir": "/old"}
+    given = parse_args(["--output_dir", "runs/a", "--resume", "latest", "--data_dir", "/new"])
+    restored = restore_args(given, saved, parse_args=parse_args)
+    assert vars(restored) == {**saved, "output_dir": "runs/a", "resume": "latest", "data_dir": "/new"}
     assert given.lr == 0.01  # not changed in place
     with pytest.raises(UserError, match=r"--epochs is 9 on the command line but 6 in the checkpoint"):
-        restore_args(Namespace(**{**vars(given), "epochs": 9}), saved, defaults=defaults)
+        restore_args(parse_args(["--epochs", "9"]), saved, parse_args=parse_args)
+    # a value edited by hand in trainer_state.json is checked as if it had been typed
+    for name, value in (("lr", -1), ("epochs", "many"), ("schedule", "linear")):
+        with pytest.raises(UserError, match="arguments saved in the checkpoint"):
+            restore_args(given, {**saved, name: value}, parse_args=parse_args)
+        assert f"argument --{name}" in capsys.readouterr().err
 
 
 def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repaired(tmp_path):

@@ -1,0 +1,162 @@
+"""Command-line flags: one parser style for every script and tool, values checked when they are parsed.
+
+Every numeric flag has a `type=` from here, so `--lr nan`, `--seed -1` or `--batch_size 0` stop at parse
+time with one line naming the flag, its range and the value given, never as a PyTorch traceback later.
+"""
+
+import argparse
+import math
+
+import torch
+
+from .errors import UserError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error: the full usage of a script with 30 flags would bury the message."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def number(kind=float, *, min=None, max=None, min_open=False, max_open=False):
+    """An argparse `type`: an int or a finite float within [min, max] (`min_open`/`max_open` exclude the bound)."""
+    bounds = [f"{'above' if min_open else 'at least'} {min}" if min is not None else "",
+              f"{'below' if max_open else 'at most'} {max}" if max is not None else ""]
+    wanted = f"{'an integer' if kind is int else 'a number'} {' and '.join(b for b in bounds if b)}".strip()
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        outside = ((min is not None and (value <= min if min_open else value < min))
+                   or (max is not None and (value >= max if max_open else value > max)))
+        if not math.isfinite(value) or outside:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse calls the type in its own messages
+    return parse
+
+
+positive_int = number(int, min=1)
+nonnegative_int = number(int, min=0)
+positive_float = number(float, min=0, min_open=True)
+nonnegative_float = number(float, min=0)
+probability = number(float, min=0, max=1)
+seed = number(int, min=0, max=2**32 - 1)  # what numpy's and torch's generators accept
+
+
+def device(text):
+    """An argparse `type` for --device: `cpu`, `cuda`, `cuda:1`, ... and only one this machine has."""
+    try:
+        value = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if value.type == "cuda" and (not torch.cuda.is_available() or (value.index or 0) >= torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices; "
+                                         "use --device cpu")
+    return text
+
+
+def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule,
+                    warmup_fraction=0.2, max_grad_norm=None):
+    """The flags every training script has; each script passes its own defaults so they stay visible there."""
+    parser.add_argument("--data_dir", default="data", help="dataset location (default: %(default)s)")
+    parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
+    parser.add_argument("--output_dir", default=output_dir, help="run folder (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run in --output_dir (it is kept in previous_run/ until this run's "
+                             "first checkpoint)")
+    parser.add_argument("--resume", default=None, metavar="latest|PATH",
+                        help="continue a run: `latest` (the newest checkpoint in --output_dir) or a checkpoint folder")
+    parser.add_argument("--checkpoint_every", type=positive_int, default=None, metavar="N",
+                        help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
+    parser.add_argument("--keep_checkpoints", type=positive_int, default=2, metavar="K",
+                        help="keep the newest K checkpoints (default: %(default)s)")
+    parser.add_argument("--epochs", type=positive_int, default=epochs, help="default: %(default)s")
+    parser.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--weight_decay", type=nonnegative_float, default=weight_decay, help="default: %(default)s")
+    parser.add_argument("--label_smoothing", type=number(float, min=0, max=1, max_open=True), default=label_smoothing,
+                        help="default: %(default)s")
+    parser.add_argument("--schedule", choices=["onecycle", "cosine", "constant"], default=schedule,
+                        help="LR schedule, stepped per optimizer step (default: %(default)s)")
+    parser.add_argument("--warmup_fraction", type=number(float, min=0, max=1, max_open=True), default=warmup_fraction,
+                        help="share of the steps spent warming up (onecycle, cosine; default: %(default)s)")
+    parser.add_argument("--grad_accum", type=positive_int, default=1, help="gradient accumulation steps (default: 1)")
+    parser.add_argument("--max_grad_norm", type=positive_float, default=max_grad_norm,
+                        help="clip gradients to this norm (default: %(default)s)")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                        help="override the accelerate config's setting (bf16 on a recent GPU)")
+    parser.add_argument("--channels_last", action="store_true",
+                        help="keep the model in channels-last memory format (faster convolutions with bf16/fp16 on GPUs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at the start)")
+    parser.add_argument("--max_steps", type=positive_int, default=None,
+                        help="stop after this many optimizer steps (smoke runs)")
+    parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")
+    parser.add_argument("--dist_timeout", type=number(float, min=0, max=7 * 24 * 3600, min_open=True), default=600,
+                        metavar="SECONDS",
+                        help="a collective that waits longer (a hung or lost process) ends the job (default: %(default)s)")
+    parser.add_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
+                        help="experiment tracker through Accelerate (default: %(default)s)")
+
+
+def check_args(args):
+    """The checks that concern several flags at once (each flag's own range is checked by its `type`)."""
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --output_dir and --overwrite deletes it: pass one of them")
+    if args.report_to in ("tensorboard", "wandb"):
+        from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+        if not (is_tensorboard_available if args.report_to == "tensorboard" else is_wandb_available)():
+            raise UserError(f"--report_to {args.report_to}: the {args.report_to} package is not installed, so nothing "
+                            f"would be logged. pip install {args.report_to}, or leave --report_to out")
+
+
+# flags that say where a run lives, how it loads data, how it reports and how fast it computes, not what it
+# computes: a resumed run takes them from the command line, and every other argument from its checkpoint.
+# A script adds its own (train_seedlings.py: --num_workers, --cache_images).
+RUNTIME_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
+                "report_to", "channels_last", "compile", "dist_timeout"}
+
+
+def restore_args(args, saved, *, parse_args, runtime=()):
+    """The arguments of a resumed run: the checkpoint's, except RUNTIME_ARGS and `runtime`.
+
+    A flag left at its default takes the checkpoint's value; one given with another value than the
+    checkpoint's is refused, since the run could not continue as it began. The result goes through
+    `parse_args` again, so a value edited by hand in trainer_state.json is checked like a typed one.
+    """
+    defaults = vars(parse_args([]))
+    restored = dict(vars(args))
+    for name, value in saved.items():
+        if name in RUNTIME_ARGS or name in runtime or name not in restored or restored[name] == value:
+            continue
+        if restored[name] != defaults[name]:
+            raise UserError(
+                f"--{name} is {restored[name]} on the command line but {value} in the checkpoint. A resumed run "
+                f"keeps its arguments: drop --{name}, or start a new run in another --output_dir."
+            )
+        restored[name] = value
+    argv = []
+    for name, value in restored.items():
+        if value == defaults[name]:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{name}" if value else f"--no-{name}")
+        elif value is not None:
+            argv += [f"--{name}", str(value)]
+    try:
+        return parse_args(argv)
+    except SystemExit:  # argparse printed which value is wrong
+        raise UserError("the arguments saved in the checkpoint (trainer_state.json) are not valid (see the line "
+                        "above); was the file edited? Resume from another checkpoint, or fix the value.") from None
+
+
+def args_to_dict(args):
+    """The run's arguments as JSON- and tracker-friendly scalars."""
+    return {key: (value if isinstance(value, (int, float, str, bool)) or value is None else str(value))
+            for key, value in vars(args).items()}
