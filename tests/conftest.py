@@ -1,12 +1,12 @@
-"""Shared fixtures: real data (the CIFAR-10 JPEGs and Fashion-MNIST) and a helper that runs real launches."""
+"""Shared fixtures: real data (CIFAR-10 JPEGs of tests/fixtures, Fashion-MNIST) and a helper that runs real launches."""
 
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATASETS = Path(os.environ.get("SHARED_DATASETS", REPO.parent / "shared" / "datasets"))
-CIFAR_JPEG_ARCHIVE = SHARED_DATASETS / "cifar10-train-jpeg.tar.gz"
+FIXTURES = REPO / "tests" / "fixtures"  # small real images, made by tests/fixtures/make_fixtures.py
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
 
@@ -109,23 +108,9 @@ def write_idx(path, array):
 
 @pytest.fixture(scope="session")
 def cifar_jpegs(tmp_path_factory):
-    """Real CIFAR-10 JPEGs as an ImageFolder tree: train/ 301 images, test/ 251 (sizes that divide by nothing)."""
-    require(CIFAR_JPEG_ARCHIVE, "the CIFAR-10 JPEG archive of shared/datasets")
-    root = tmp_path_factory.mktemp("cifar_jpegs")
-    images = {}  # class -> [(name, bytes)], the first 57 of each class in the archive
-    with tarfile.open(CIFAR_JPEG_ARCHIVE) as archive:
-        for member in archive:
-            parts = Path(member.name).parts
-            if member.isfile() and len(parts) >= 3 and parts[-3] == "train" and len(images.get(parts[-2], [])) < 57:
-                images.setdefault(parts[-2], []).append((parts[-1], archive.extractfile(member).read()))
-    assert len(images) == 10, f"expected 10 classes in {CIFAR_JPEG_ARCHIVE}, found {sorted(images)}"
-    for i, name in enumerate(sorted(images)):
-        extra = int(i == 0)  # one more train and test image in the first class: 301 and 251
-        for split, chunk in (("train", images[name][:30 + extra]), ("test", images[name][30 + extra:55 + 2 * extra])):
-            (root / split / name).mkdir(parents=True, exist_ok=True)
-            for filename, data in chunk:
-                (root / split / name / filename).write_bytes(data)
-    return root
+    """Real CIFAR-10 JPEGs as an ImageFolder tree: train/ 151 images, test/ 101 (sizes that divide by nothing).
+    A copy of tests/fixtures/cifar10 (made by tests/fixtures/make_fixtures.py) that tests may change."""
+    return Path(shutil.copytree(FIXTURES / "cifar10", tmp_path_factory.mktemp("cifar_jpegs") / "cifar10"))
 
 
 @pytest.fixture(scope="session")

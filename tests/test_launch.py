@@ -40,7 +40,7 @@ def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
                     "--epochs", 1, "--batch_size", 32)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
-    assert_two_processes_shared_the_data(metrics, train_size=301, batch_size=32)
+    assert_two_processes_shared_the_data(metrics, train_size=151, batch_size=32)
     _, test = build_cifar10(cifar_jpegs)
     assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
     assert "airplane" in (output_dir / "classification_report.txt").read_text()
@@ -57,7 +57,7 @@ def test_cifar_official_batches_path(tmp_path, cifar_jpegs):
                     "--epochs", 1, "--batch_size", 32)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
-    assert_two_processes_shared_the_data(metrics, train_size=301, batch_size=32)
+    assert_two_processes_shared_the_data(metrics, train_size=151, batch_size=32)
     assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
 
 
@@ -139,12 +139,12 @@ def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_
 
 def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
     result = run_command([sys.executable, REPO / "scripts" / "benchmark.py", "--data_dir", cifar_jpegs / "train",
-                          "--images", 200, "--batch_size", 32, "--train_steps", 1, "--repeats", 2,
+                          "--images", 75, "--batch_size", 32, "--train_steps", 1, "--repeats", 2,
                           "--train_images", 40, "--output", tmp_path / "bench.json"])
     assert result.returncode == 0, result.output
     assert "data path speed-up, ours / seed style:" in result.output and "training step, ours / plain:" in result.output
     bench = json.loads((tmp_path / "bench.json").read_text())
-    assert bench["images"] == 200 and bench["batch_size"] == 32
+    assert bench["images"] == 75 and bench["batch_size"] == 32
     for key in ("data_ours", "data_seed", "train_ours", "train_plain", "train_ours_with_data", "train_seed_script"):
         assert len(bench[key]) == 2 and all(rate > 0 for rate in bench[key])
     assert "training with data, ours / seed script:" in result.output and "40 images a pass" in result.output

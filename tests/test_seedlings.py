@@ -2,10 +2,10 @@
 
 import csv
 import json
+import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,26 +19,17 @@ from safetensors.torch import save_file
 from common.cli import UserError
 from common.folders import check_images, find_splits, list_image_folder, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import REPO, SHARED_DATASETS, launch, launch_command, require, run_command
+from conftest import FIXTURES, REPO, launch, launch_command, run_command
 
-SEEDLINGS_ARCHIVE = SHARED_DATASETS / "plant-seedlings-train-150px.tar"
 SCRIPTS = REPO / "scripts"
 
 
 @pytest.fixture(scope="session")
 def seedlings(tmp_path_factory):
-    """Real seedling photos (RGBA PNGs): 7 per class, 8 in the first, 85 in all, as root/<class>/<image>."""
-    require(SEEDLINGS_ARCHIVE, "the Plant Seedlings archive of shared/datasets")
-    root = tmp_path_factory.mktemp("seedlings") / "plant-seedlings"
-    counts = Counter()
-    with tarfile.open(SEEDLINGS_ARCHIVE) as archive:
-        for member in archive:
-            parts = Path(member.name).parts
-            if member.isfile() and len(parts) == 3 and counts[parts[1]] < (8 if parts[1] == "Black-grass" else 7):
-                counts[parts[1]] += 1
-                (root / parts[1]).mkdir(parents=True, exist_ok=True)
-                (root / parts[1] / parts[2]).write_bytes(archive.extractfile(member).read())
-    assert len(counts) == 12 and sum(counts.values()) == 85
+    """Real seedling photos (RGB PNGs, 48x48): 7 per class, 8 in the first, 85 in all, as root/<class>/<image>.
+    A copy of tests/fixtures/seedlings (made by tests/fixtures/make_fixtures.py) that tests may change."""
+    root = Path(shutil.copytree(FIXTURES / "seedlings", tmp_path_factory.mktemp("seedlings") / "plant-seedlings"))
+    assert len(list(root.iterdir())) == 12 and len(list(root.rglob("*.png"))) == 85
     return root
 
 
