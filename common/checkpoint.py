@@ -79,9 +79,8 @@ def load_best_model(model_dir):
     """(model in eval mode, meta) from a best/ folder; every way it can be wrong is a UserError."""
     model_dir = Path(model_dir)
     meta_path, weights_path = model_dir / "meta.json", model_dir / "model.safetensors"
-    for path in (meta_path, weights_path):
-        if not path.is_file():
-            raise UserError(f"{path} not found: pass the best/ folder a training run wrote")
+    if not meta_path.is_file():
+        raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote")
     try:
         meta = json.loads(meta_path.read_text())
         problem = _check_meta(meta)

@@ -1,0 +1,455 @@
+"""Bad input never costs a run: every mistake gets one message naming the thing and the fix, a non-zero exit,
+and loses nothing. Real scripts on real files; the slow ones train the digits for an epoch or two."""
+
+import argparse
+import errno
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.checkpoint import find_checkpoint, load_best_model
+from common.data import build_cifar10, build_mnist
+from common.errors import UserError
+from common.flags import ArgumentParser
+from common.folders import find_splits, read_image
+from conftest import REPO, run_command, write_idx
+
+SCRIPTS = REPO / "scripts"
+ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
+TOOLS = {"train_mnist.py": [], "train_cifar.py": [], "train_seedlings.py": [], "benchmark.py": [],
+         "predict.py": ["--model_dir", "m", "x.png"], "compute_mean_std.py": ["folder"],
+         "split_dataset.py": ["source", "target"]}
+
+
+def script(name, *args):
+    return run_command([sys.executable, SCRIPTS / name, *args])
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_refused(result, *phrases):
+    """Exit code 2, our message with each of `phrases`, no traceback."""
+    assert result.returncode == 2, result.output
+    assert "Traceback" not in result.output, result.output
+    for phrase in phrases:
+        assert phrase in result.output, result.output
+
+
+def snapshot(folder):
+    """Every file under `folder` with its content hash."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+# ---- flags: every value is checked when it is parsed ----
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_every_numeric_flag_of_every_script_is_checked_when_parsed(name, monkeypatch):
+    parsers = []
+    monkeypatch.setattr(ArgumentParser, "parse_args", lambda self, argv=None: parsers.append(self))
+    load_script(name).parse_args(TOOLS[name])
+    assert parsers, f"{name} does not build its parser with common.flags.ArgumentParser"
+    numeric = 0
+    for action in parsers[0]._actions:
+        if not action.option_strings or isinstance(action.default, bool) or action.nargs == 0:
+            continue
+        assert action.type not in (int, float), f"{name} {action.option_strings[0]}: a bare {action.type.__name__}"
+        if isinstance(action.default, (int, float)) or getattr(action.type, "__name__", "") in ("int", "float"):
+            numeric += 1
+            assert action.type is not None, f"{name} {action.option_strings[0]} is numeric but parsed as a string"
+            for text in ("nan", "inf", "-inf", "not-a-number"):
+                with pytest.raises(argparse.ArgumentTypeError):
+                    action.type(text)
+    assert numeric or name == "compute_mean_std.py"  # the one tool without a numeric flag
+
+
+BAD_FLAGS = [
+    ("train_mnist.py", "--lr", "nan"), ("train_mnist.py", "--lr", "0"), ("train_mnist.py", "--label_smoothing", "2"),
+    ("train_mnist.py", "--weight_decay", "-1"), ("train_mnist.py", "--seed", "-1"),
+    ("train_mnist.py", "--dist_timeout", "nan"), ("train_mnist.py", "--epochs", "0"),
+    ("train_mnist.py", "--batch_size", "0"), ("train_mnist.py", "--grad_accum", "0"),
+    ("train_mnist.py", "--max_grad_norm", "0"), ("train_mnist.py", "--warmup_fraction", "1"),
+    ("train_mnist.py", "--keep_checkpoints", "0"), ("train_mnist.py", "--checkpoint_every", "0"),
+    ("train_mnist.py", "--max_steps", "-5"), ("train_mnist.py", "--mixed_precision", "fp8"),
+    ("train_cifar.py", "--momentum", "0"), ("train_cifar.py", "--momentum", "1.5"),
+    ("train_seedlings.py", "--num_workers", "-1"), ("train_seedlings.py", "--image_size", "0"),
+    ("train_seedlings.py", "--val_fraction", "1"), ("train_seedlings.py", "--mixup_prob", "1.5"),
+    ("train_seedlings.py", "--mixup_alpha", "-1"),
+    ("predict.py", "--batch_size", "0"), ("predict.py", "--top_k", "-1"), ("predict.py", "--top_k", "0"),
+    ("predict.py", "--device", "gpu0"), ("benchmark.py", "--images", "0"), ("benchmark.py", "--repeats", "0"),
+    ("split_dataset.py", "--val_fraction", "1"), ("split_dataset.py", "--seed", "-1"),
+]
+
+
+@pytest.mark.parametrize("name,flag,value", BAD_FLAGS)
+def test_a_bad_flag_value_stops_at_parse_time_naming_the_flag(name, flag, value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_script(name).parse_args([*TOOLS[name], flag, value])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {flag}" in error and value in error and len(error.strip().splitlines()) == 1, error
+
+
+def test_device_cuda_without_a_gpu_is_refused_at_parse_time(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit):
+        load_script("predict.py").parse_args([*TOOLS["predict.py"], "--device", "cuda"])
+    assert "this machine has 0 CUDA devices; use --device cpu" in capsys.readouterr().err
+
+
+def test_a_bad_flag_in_a_real_run_is_one_line_and_exit_2():
+    result = script("train_mnist.py", "--dataset", "digits", "--lr", "nan")
+    assert_refused(result, "argument --lr: must be a number above 0, got nan")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_report_to_wandb_without_wandb_is_refused(tmp_path):
+    if importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is installed here")
+    result = script("train_mnist.py", "--dataset", "digits", "--report_to", "wandb", "--output_dir", tmp_path / "run")
+    assert_refused(result, "--report_to wandb: the wandb package is not installed", "pip install wandb")
+    assert not (tmp_path / "run").exists()
+
+
+# ---- images: 16-bit, RGBA, damaged ----
+
+def test_16_bit_images_are_scaled_to_8_bits_not_clipped():
+    wide, narrow = Image.open(ODD_IMAGES / "gray16.png"), np.asarray(Image.open(ODD_IMAGES / "gray8.png"))
+    assert wide.mode.startswith("I") and np.asarray(wide).max() > 255  # a real 16-bit file
+    assert np.array_equal(np.asarray(read_image(ODD_IMAGES / "gray16.png", channels=1)), narrow)
+    rgb = np.asarray(read_image(ODD_IMAGES / "gray16.png"))
+    assert rgb.shape[2] == 3 and np.array_equal(rgb[..., 0], narrow) and 0.2 < rgb.mean() / 255 < 0.8
+    assert np.asarray(read_image(ODD_IMAGES / "rgba.png")).shape[2] == 3
+    for broken in ("truncated.png", "not_an_image.png"):
+        with pytest.raises((OSError, ValueError)):
+            read_image(ODD_IMAGES / broken)
+
+
+def test_compute_mean_std_of_16_bit_images_is_that_of_their_8_bit_values(tmp_path):
+    for name in ("gray16", "gray8"):
+        (tmp_path / name).mkdir()
+        shutil.copy(ODD_IMAGES / f"{name}.png", tmp_path / name)
+        assert script("compute_mean_std.py", tmp_path / name, "--output", tmp_path / f"{name}.json").returncode == 0
+    wide, narrow = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("gray16", "gray8"))
+    assert wide["mean"] == narrow["mean"] and wide["std"] == narrow["std"] and 0.1 < wide["mean"][0] < 0.9
+
+
+# ---- damaged dataset files ----
+
+@pytest.fixture
+def idx_folder(tmp_path):
+    """A small MNIST-layout folder of real digits, as the four IDX files."""
+    from common.data import build_digits
+
+    train, test = build_digits()
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    for split, data in (("train", train), ("t10k", test)):
+        write_idx(folder / f"{split}-images-idx3-ubyte", data.images[:, 0].numpy())
+        write_idx(folder / f"{split}-labels-idx1-ubyte", data.labels.numpy().astype(np.uint8))
+    return folder
+
+
+def test_damaged_idx_files_are_named_with_the_fix(idx_folder):
+    images = idx_folder / "train-images-idx3-ubyte"
+    data = images.read_bytes()
+    gz = idx_folder / "train-images-idx3-ubyte.gz"
+    images.unlink()
+    gz.write_bytes(data)  # named .gz, not gzip
+    with pytest.raises(UserError, match=r"train-images-idx3-ubyte.gz is damaged .*fetch it again"):
+        build_mnist(idx_folder)
+    gz.write_bytes(gzip.compress(data)[:200])  # a download cut short
+    with pytest.raises(UserError, match=r"train-images-idx3-ubyte.gz is damaged"):
+        build_mnist(idx_folder)
+
+
+def test_swapped_idx_files_out_of_range_labels_and_other_sizes_are_refused(idx_folder):
+    labels, images = idx_folder / "train-labels-idx1-ubyte", idx_folder / "train-images-idx3-ubyte"
+    original_images, original_labels = images.read_bytes(), labels.read_bytes()
+    images.write_bytes(original_labels)
+    labels.write_bytes(original_images)
+    with pytest.raises(UserError, match=r"train-images-idx3-ubyte holds labels of shape .* are the files swapped"):
+        build_mnist(idx_folder)
+    images.write_bytes(original_images)
+    write_idx(labels, np.full(len(np.frombuffer(original_labels[8:], np.uint8)), 12, dtype=np.uint8))
+    with pytest.raises(UserError, match=r"train-labels-idx1-ubyte holds labels from 12 to 12, but the dataset has 10"):
+        build_mnist(idx_folder)
+    labels.write_bytes(original_labels)
+    write_idx(idx_folder / "t10k-images-idx3-ubyte", np.zeros((450, 9, 9), np.uint8))
+    with pytest.raises(UserError, match=r"training images .* are \(8, 8\) pixels but the test images are \(9, 9\)"):
+        build_mnist(idx_folder)
+
+
+def test_a_mistyped_fashion_mnist_folder_is_not_replaced_by_another_copy(tmp_path):
+    with pytest.raises(UserError, match=r"no fashion_mnist IDX files found; tried .*typo.*apt-get install"):
+        build_mnist(tmp_path / "typo", name="fashion_mnist")
+
+
+def test_cifar_archive_that_is_not_a_tarball_says_how_to_fix_it_and_download_replaces_it(tmp_path):
+    (tmp_path / "cifar-10-python.tar.gz").write_text("<html>proxy error</html>")
+    with pytest.raises(UserError, match=r"not the CIFAR-10 archive. Delete it and run with --download"):
+        build_cifar10(tmp_path)
+    # --download tries to fetch a new one instead of reading the broken file (offline here: it says so)
+    with pytest.raises(UserError, match=r"--download: could not fetch CIFAR10"):
+        build_cifar10(tmp_path, download=True)
+
+
+def test_hf_prefix_on_a_plain_folder_says_to_drop_it(tmp_path, cifar_jpegs):
+    with pytest.raises(UserError, match=r"not a dataset saved with datasets' save_to_disk.*without hf:"):
+        build_cifar10(f"hf:{cifar_jpegs}")
+
+
+# ---- folders of class folders ----
+
+def test_train_and_test_folders_for_the_seedlings_script_say_to_name_it_val(tmp_path):
+    for split in ("train", "test"):
+        shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / split)
+    with pytest.raises(UserError, match=r"must be called val/ \(rename .*test to .*val\)"):
+        find_splits(tmp_path, val_fraction=0.3, seed=42)
+
+
+def test_a_class_with_one_image_is_named(tmp_path):
+    for name, count in (("Maize", 3), ("Cleavers", 1)):
+        (tmp_path / name).mkdir()
+        for image in sorted((ODD_IMAGES.parent / "seedlings" / name).iterdir())[:count]:
+            shutil.copy(image, tmp_path / name)
+    with pytest.raises(UserError, match=r"every class needs at least 2 images, and Cleavers \(1\) has fewer"):
+        find_splits(tmp_path, val_fraction=0.3, seed=42)
+
+
+def test_a_mean_std_file_with_a_zero_std_is_refused_as_such(tmp_path):
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"mean": [0.5, 0.5, 0.5], "std": [0.2, 0.0, 0.2]}))
+    result = script("train_seedlings.py", "--data_dir", ODD_IMAGES.parent / "seedlings", "--mean_std", stats,
+                    "--output_dir", tmp_path / "run")
+    assert_refused(result, "stds above 0", "A std of 0 means a channel has one value")
+    assert "--lr" not in result.output
+
+
+# ---- outputs never land on inputs ----
+
+def test_an_output_dir_inside_the_data_is_refused(tmp_path):
+    data = tmp_path / "seedlings"
+    shutil.copytree(ODD_IMAGES.parent / "seedlings", data)
+    before = snapshot(data)
+    for output_dir in (data, data / "run"):
+        result = script("train_seedlings.py", "--data_dir", data, "--output_dir", output_dir)
+        assert_refused(result, f"--output_dir {output_dir} is inside the input {data}")
+    assert snapshot(data) == before and sorted(p.name for p in data.iterdir()) == sorted(
+        p.name for p in (ODD_IMAGES.parent / "seedlings").iterdir())
+
+
+def test_split_dataset_refuses_a_target_inside_its_source(tmp_path):
+    data = tmp_path / "seedlings"
+    shutil.copytree(ODD_IMAGES.parent / "seedlings", data)
+    before = snapshot(data)
+    assert_refused(script("split_dataset.py", data, data / "split"), "target", "is inside the input")
+    assert snapshot(data) == before
+
+
+def test_split_dataset_link_across_filesystems_leaves_no_partial_target(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp folder")
+    target = shm / f"split-test-{os.getpid()}"
+    try:
+        result = script("split_dataset.py", ODD_IMAGES.parent / "seedlings", target, "--link")
+        assert_refused(result, "--link needs the source and the target on the same filesystem: drop --link")
+        assert not target.exists() and not list(shm.glob(f".{target.name}*"))
+        assert script("split_dataset.py", ODD_IMAGES.parent / "seedlings", target).returncode == 0  # the retry copies
+        assert len(list(target.rglob("*.png"))) == len(list((ODD_IMAGES.parent / "seedlings").rglob("*.png")))
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
+    (tmp_path / "file").write_text("notes")
+    assert_refused(script("train_mnist.py", "--dataset", "digits", "--output_dir", tmp_path / "file"),
+                   "is a file: choose a folder")
+    assert (tmp_path / "file").read_text() == "notes"
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only filesystem needs root")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", read_only]).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        assert_refused(script("train_mnist.py", "--dataset", "digits", "--output_dir", read_only / "run"),
+                       "cannot write to --output_dir", "Read-only file system")
+    finally:
+        subprocess.run(["umount", read_only])
+
+
+# ---- checkpoints and best/ folders edited or damaged by hand ----
+
+def write_checkpoint(folder, **state):
+    folder.mkdir(parents=True)
+    state = {"args": {}, "architecture": "mnist_convnet", "model_kwargs": {"num_classes": 10, "in_chans": 1},
+             "epoch": 2, "batch": 0, "step": 20, "best_accuracy": 0.5, "lr_scheduler": {}, "num_processes": 1,
+             **state}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_a_hand_edited_trainer_state_is_named_not_a_traceback(tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    write_checkpoint(checkpoints / "epoch_001_end")
+    (checkpoints / "latest").write_text("epoch_001_end\n")
+    assert find_checkpoint(tmp_path / "run", "latest")["step"] == 20
+    for edit in ({"epoch": "two"}, {"step": -3}, {"args": None}, {"batch": 5}):  # batch 5 without its totals
+        shutil.rmtree(checkpoints / "epoch_001_end")
+        write_checkpoint(checkpoints / "epoch_001_end", **edit)
+        with pytest.raises(UserError, match=r"trainer_state.json is damaged or not written by our training scripts"):
+            find_checkpoint(tmp_path / "run", "latest")
+
+
+def test_latest_naming_a_deleted_checkpoint_lists_the_ones_left(tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    write_checkpoint(checkpoints / "epoch_001_end")
+    (checkpoints / "latest").write_text("epoch_002_end\n")
+    with pytest.raises(UserError, match=r"names epoch_002_end, which no longer exists. Pass one of .*epoch_001_end"):
+        find_checkpoint(tmp_path / "run", "latest")
+
+
+def test_a_meta_json_with_missing_or_wrong_keys_is_named(tmp_path):
+    best = tmp_path / "best"
+    best.mkdir()
+    (best / "model.safetensors").write_bytes(b"")
+    good = {"architecture": "mnist_convnet", "model_kwargs": {"num_classes": 3, "in_chans": 1},
+            "class_names": ["a", "b", "c"], "image_size": [8, 8], "mean": [0.0], "std": [1.0]}
+    for broken, problem in (({"class_names": None}, "class_names"), ({"image_size": [8]}, "image_size"),
+                            ({"std": [0.0]}, "'std' is [0.0]"), ({"model_kwargs": {"num_classes": 3}}, "in_chans")):
+        (best / "meta.json").write_text(json.dumps({**good, **broken}))
+        with pytest.raises(UserError, match=rf"meta.json is not a model description .*{re.escape(problem)}"):
+            load_best_model(best)
+    del good["mean"]
+    (best / "meta.json").write_text(json.dumps(good))
+    with pytest.raises(UserError, match=r"'mean' is None"):
+        load_best_model(best)
+
+
+# ---- runs that a mistake must not cost (real training) ----
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("digits") / "run"
+    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 1, "--output_dir", run)
+    assert result.returncode == 0, result.output
+    return run
+
+
+@pytest.fixture
+def finished_run(digits_run, tmp_path):
+    """A copy of a finished 1-epoch digits run, plus a file of the user's (a scheduler's log) in its folder."""
+    run = shutil.copytree(digits_run, tmp_path / "run")
+    (run / "slurm-1234.out").write_text("the job's log\n")
+    return run
+
+
+@pytest.mark.slow
+def test_overwrite_that_fails_before_training_loses_nothing(finished_run, idx_folder):
+    before = snapshot(finished_run)
+    write_idx(idx_folder / "t10k-labels-idx1-ubyte", np.full(450, 10, np.uint8))  # a damaged label file
+    for args, message in ((["--dataset", "mnist", "--data_dir", finished_run.parent / "typo"], "no mnist IDX files"),
+                          (["--dataset", "mnist", "--data_dir", idx_folder], "holds labels from 10 to 10"),
+                          (["--dataset", "digits", "--resume", "latest"], "pass one of them")):
+        result = script("train_mnist.py", *args, "--overwrite", "--output_dir", finished_run)
+        assert_refused(result, message)
+        assert snapshot(finished_run) == before
+
+
+@pytest.mark.slow
+def test_overwrite_that_fails_in_training_keeps_the_earlier_run_whole_in_previous_run(finished_run):
+    before = snapshot(finished_run)
+    result = script("train_mnist.py", "--dataset", "digits", "--lr", "1e6", "--overwrite", "--output_dir",
+                    finished_run)
+    assert_refused(result, "the loss became nan or inf", "previous_run")
+    old_files = {name: digest for name, digest in before.items() if name != "slurm-1234.out"}
+    assert snapshot(finished_run / "previous_run") == old_files
+    # nothing of the old run is left at the top, half old and half new; the user's file did not move
+    assert sorted(p.name for p in finished_run.iterdir()) == ["previous_run", "slurm-1234.out"]
+
+
+@pytest.mark.slow
+def test_overwrite_that_succeeds_replaces_the_whole_run(finished_run):
+    before = snapshot(finished_run)
+    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 2, "--overwrite", "--output_dir",
+                    finished_run)
+    assert result.returncode == 0, result.output
+    after = snapshot(finished_run)
+    assert not (finished_run / "previous_run").exists()
+    assert after["slurm-1234.out"] == before["slurm-1234.out"]
+    for name in ("metrics.jsonl", "curves.png", "confusion_matrix.png", "classification_report.txt",
+                 "best/model.safetensors"):
+        assert after[name] != before[name], name
+    assert [json.loads(line)["epoch"] for line in (finished_run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.slow
+def test_predict_never_writes_over_an_input_or_a_foreign_file(finished_run, tmp_path):
+    images = tmp_path / "imgs"
+    images.mkdir()
+    for name in ("gray16.png", "rgba.png", "gray8.png"):
+        shutil.copy(ODD_IMAGES / name, images)
+    before = snapshot(images)
+    best = ["--model_dir", finished_run / "best"]
+    # `--output imgs/*.png` after the shell: the first image is the output, the rest the inputs
+    assert_refused(script("predict.py", *best, "--output", images / "gray16.png", images / "rgba.png",
+                          images / "gray8.png"), "its name must end in .csv", "shell glob")
+    notes = tmp_path / "notes.csv"
+    notes.write_text("my,own,table\n")
+    assert_refused(script("predict.py", *best, "--output", notes, images), "exists and is not a CSV written by "
+                   "predict.py", "--overwrite")
+    assert notes.read_text() == "my,own,table\n"
+    assert_refused(script("predict.py", *best, "--output", tmp_path / "missing" / "p.csv", images),
+                   "the folder", "does not exist")
+    assert_refused(script("predict.py", *best, "--output", images, images), "is a folder: give a file name")
+    assert snapshot(images) == before
+    # 16-bit and 8-bit versions of one image get the same prediction; a CSV of ours is replaced
+    output = tmp_path / "p.csv"
+    for _ in range(2):
+        result = script("predict.py", *best, "--output", output, images)
+        assert result.returncode == 0, result.output
+    rows = {Path(line.split(",")[0]).name: line.split(",", 1)[1] for line in output.read_text().splitlines()[1:]}
+    assert len(rows) == 3 and rows["gray16.png"] == rows["gray8.png"]
+
+
+@pytest.mark.slow
+def test_predict_with_no_readable_image_fails_and_writes_nothing(finished_run, tmp_path):
+    images = tmp_path / "broken"
+    images.mkdir()
+    for name in ("truncated.png", "not_an_image.png"):
+        shutil.copy(ODD_IMAGES / name, images)
+    result = script("predict.py", "--model_dir", finished_run / "best", "--output", tmp_path / "p.csv", images)
+    assert_refused(result, "none of the 2 images could be read", "truncated.png", "not_an_image.png")
+    assert not (tmp_path / "p.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_deleted_model_file_is_called_missing_not_corrupt(finished_run):
+    (finished_run / "best" / "model.safetensors").unlink()
+    result = script("predict.py", "--model_dir", finished_run / "best", "--output", finished_run / "p.csv",
+                    ODD_IMAGES / "gray8.png")
+    assert_refused(result, "model.safetensors is missing (deleted?)")
+    checkpoint = sorted((finished_run / "checkpoints").glob("epoch_*"))[-1]
+    (checkpoint / "model.safetensors").unlink()
+    result = script("train_mnist.py", "--dataset", "digits", "--resume", checkpoint, "--output_dir", finished_run)
+    assert_refused(result, "model.safetensors is missing (deleted?)")
