@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import UserError
-from .outputs import RUN_FILES, remove_previous_run, write_atomically
+from .outputs import PREVIOUS_RUN, RUN_FILES, remove_previous_run, write_atomically
 from .models import build_model
 from .reporting import read_metrics
 
@@ -190,6 +190,9 @@ def find_checkpoint(output_dir, resume):
     others = sorted(p.name for p in checkpoints.glob("epoch_*")) if checkpoints.is_dir() else []
     choose = (f"Pass one of {', '.join(str(checkpoints / name) for name in others)}" if others
               else "Check --output_dir, or start a new run without --resume") + "."
+    if (output_dir / PREVIOUS_RUN).is_dir():
+        choose += (f" The run an --overwrite replaced is in {output_dir / PREVIOUS_RUN}: move its files back into "
+                   f"{output_dir} to continue it.")
     if resume == "latest":
         pointer = checkpoints / "latest"
         if not pointer.is_file():

@@ -33,6 +33,10 @@ def run(main, args):
         sys.exit(2)
     except Interrupted:
         sys.exit(143)
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
     except RuntimeError as error:
         from_collective = isinstance(error, torch.distributed.DistError) or re.search(r"gloo|nccl|c10d", str(error))
         if not (torch.distributed.is_initialized() and from_collective

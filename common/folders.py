@@ -145,6 +145,8 @@ def check_images(files, *, skip_bad_images, cache_size=None):
         raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
                         "to leave unreadable images out")
     good = [i for i, result in enumerate(results) if not isinstance(result, Exception)]
+    if files and not good:
+        raise UserError(f"none of the {len(files)} images could be read, e.g. {bad[0][0]}: {bad[0][1]}")
     cache = torch.stack([results[i] for i in good]) if cache_size else None
     return good, bad, cache
 

@@ -40,6 +40,8 @@ def main(args):
     check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(f"{target} exists and is not empty: choose a new folder, or remove it first")
+    if (source / "train").is_dir() and (source / "val").is_dir():
+        raise UserError(f"{source} is already split into train/ and val/: train on it as it is")
     files, labels, classes, skipped = list_image_folder(source)
     train, val = split_dataset(labels, val_fraction=args.val_fraction, seed=args.seed, classes=classes)
     # written into a hidden folder beside the target and renamed at the end: a failure leaves no half target

@@ -144,6 +144,14 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped():
             read_image(ODD_IMAGES / broken)
 
 
+def test_a_split_whose_images_are_all_unreadable_is_named_even_when_skipping():
+    from common.folders import check_images
+
+    files = [ODD_IMAGES / "truncated.png", ODD_IMAGES / "not_an_image.png"]
+    with pytest.raises(UserError, match=r"none of the 2 images could be read, e.g. .*truncated.png"):
+        check_images(files, skip_bad_images=True)
+
+
 def test_compute_mean_std_of_16_bit_images_is_that_of_their_8_bit_values(tmp_path):
     for name in ("gray16", "gray8"):
         (tmp_path / name).mkdir()
@@ -266,6 +274,13 @@ def test_split_dataset_refuses_a_target_inside_its_source(tmp_path):
     assert snapshot(data) == before
 
 
+def test_split_dataset_refuses_a_source_that_is_already_split(tmp_path):
+    for split in ("train", "val"):
+        shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data" / split)
+    assert_refused(script("split_dataset.py", tmp_path / "data", tmp_path / "split"), "already split into train/ and val/")
+    assert not (tmp_path / "split").exists()
+
+
 def test_split_dataset_link_across_filesystems_leaves_no_partial_target(tmp_path):
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
@@ -386,6 +401,8 @@ def test_overwrite_that_fails_in_training_keeps_the_earlier_run_whole_in_previou
     assert snapshot(finished_run / "previous_run") == old_files
     # nothing of the old run is left at the top, half old and half new; the user's file did not move
     assert sorted(p.name for p in finished_run.iterdir()) == ["previous_run", "slurm-1234.out"]
+    result = script("train_mnist.py", "--dataset", "digits", "--resume", "latest", "--output_dir", finished_run)
+    assert_refused(result, f"The run an --overwrite replaced is in {finished_run / 'previous_run'}: move its files")
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common.cli import UserError
+from common.errors import UserError
 from common.data import (CIFAR10_CLASSES, build_cifar10, build_dataloader, build_digits, build_mnist,
                          load_image_folder, preprocess, read_idx)
 from common.models import build_model

@@ -106,7 +106,7 @@ def test_process_count_mismatch_is_refused(tmp_path):
         import sys
         sys.path.insert(0, {str(REPO)!r})
         from accelerate import Accelerator
-        from common.cli import run
+        from common.errors import run
         from common.distributed import check_process_count
         run(lambda accelerator: (check_process_count(accelerator), print("trained")), Accelerator())
     """))
@@ -121,7 +121,7 @@ def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_
              "--output_dir", tmp_path / "run", "--report_to", "tensorboard"]
     first = run_command(train, env={"HF_HUB_OFFLINE": "1"})
     assert first.returncode == 0, first.output
-    assert list((tmp_path / "run").glob("train_mnist/events.out.tfevents.*"))
+    assert list((tmp_path / "run").glob("logs/train_mnist/events.out.tfevents.*"))
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
 
     again = run_command(train)
@@ -135,6 +135,9 @@ def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_
     overwritten = run_command(train + ["--overwrite"])
     assert overwritten.returncode == 0, overwritten.output
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    # the old run's tracker logs went aside with it, and were removed at the new run's first checkpoint
+    assert len(list((tmp_path / "run").glob("logs/train_mnist/events.out.tfevents.*"))) == 1
+    assert not (tmp_path / "run" / "previous_run").exists()
 
 
 def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from common.cli import UserError
+from common.errors import UserError
 from common.folders import check_images, find_splits, list_image_folder, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command
