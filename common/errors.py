@@ -1,7 +1,11 @@
 """User errors and exit codes: a mistake the user can fix is one `error:` line and exit code 2, never a traceback."""
 
+import json
+import os
 import re
+import signal
 import sys
+import time
 
 import torch
 
@@ -29,20 +33,46 @@ def run(main, args):
     try:
         return main(args)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_message(f"error: {error}", 2)
     except Interrupted:
         sys.exit(143)
     except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one",
-              file=sys.stderr, flush=True)
-        sys.exit(130)
+        exit_with_message("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one", 130)
     except RuntimeError as error:
         from_collective = isinstance(error, torch.distributed.DistError) or re.search(r"gloo|nccl|c10d", str(error))
         if not (torch.distributed.is_initialized() and from_collective
                 and re.search(PEER_LOST, str(error), re.IGNORECASE)):
             raise
-        print(f"error: lost the other processes ({' '.join(str(error).split())}): one of them failed, hung longer "
-              "than --dist_timeout, or its machine was lost; its own output says which. Continue from the last "
-              "checkpoint with --resume latest.", file=sys.stderr, flush=True)
-        sys.exit(1)
+        exit_with_message(f"error: lost the other processes ({' '.join(str(error).split())}): one of them failed, "
+                          "hung longer than --dist_timeout, or its machine was lost; its own output says which. "
+                          "Continue from the last checkpoint with --resume latest.", 1, consequence=True)
+
+
+# under torchrun, how long a process that may not be the first to fail on its machine waits before it reports:
+# the launcher needs the first one's exit (1-3 s of interpreter teardown, measured on CPU) to stop the others
+REPORT_GRACE_S = 10
+
+
+def exit_with_message(message, code, *, consequence=False):
+    """Show `message` once, then exit with `code`.
+
+    Under torchrun (`accelerate launch` with several processes) it goes into this process's
+    TORCHELASTIC_ERROR_FILE: the launcher's failure table, printed last, shows it as the process's
+    "traceback", so nothing is printed here (every process would print it). A process that is not local
+    rank 0, or whose failure follows another's (`consequence`), first waits REPORT_GRACE_S: when another
+    process on this machine failed first, the launcher stops this one (SIGTERM) and shows that one alone.
+    Anywhere else, or when the file cannot be written, the message goes to stderr.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        if consequence or os.environ.get("LOCAL_RANK", "0") != "0":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # catch_sigterm's handler would keep this one alive
+            time.sleep(REPORT_GRACE_S)
+        try:  # torch.distributed.elastic's ErrorHandler format; the table shows ["message"]["message"]
+            with open(error_file, "w") as file:
+                json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, file)
+        except OSError:
+            error_file = None
+    if not error_file:
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -9,14 +9,19 @@ import math
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, exit_with_message
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a one-line error: the full usage of a script with 30 flags would bury the message."""
 
+    raise_errors = False  # restore_args: a bad saved value is a UserError of its own, not an exit
+
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        text = f"{self.prog}: error: {message} (see --help)"
+        if ArgumentParser.raise_errors:
+            raise UserError(text)
+        exit_with_message(text, 2)
 
 
 def number(kind=float, *, min=None, max=None, min_open=False, max_open=False):
@@ -149,11 +154,14 @@ def restore_args(args, saved, *, parse_args, runtime=()):
             argv.append(f"--{name}" if value else f"--no-{name}")
         elif value is not None:
             argv += [f"--{name}", str(value)]
+    ArgumentParser.raise_errors = True
     try:
         return parse_args(argv)
-    except SystemExit:  # argparse printed which value is wrong
-        raise UserError("the arguments saved in the checkpoint (trainer_state.json) are not valid (see the line "
-                        "above); was the file edited? Resume from another checkpoint, or fix the value.") from None
+    except UserError as error:
+        raise UserError(f"the arguments saved in the checkpoint (trainer_state.json) are not valid ({error}); was "
+                        "the file edited? Resume from another checkpoint, or fix the value.") from None
+    finally:
+        ArgumentParser.raise_errors = False
 
 
 def args_to_dict(args):

@@ -122,6 +122,21 @@ def test_a_bad_flag_in_a_real_run_is_one_line_and_exit_2():
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.slow
+def test_under_a_two_process_launch_a_user_error_is_said_once_at_the_end(tmp_path):
+    from conftest import launch
+
+    for args, message in ((["--dataset", "mnist", "--data_dir", tmp_path / "typo"], "error: no mnist IDX files found"),
+                          (["--dataset", "digits", "--lr", "abc"], "error: argument --lr: must be a number above 0")):
+        result = launch(SCRIPTS / "train_mnist.py", *args, "--output_dir", tmp_path / "run")
+        assert result.returncode != 0
+        assert result.output.count(message) == 1, result.output
+        # torchrun's failure table comes last; our message is its root cause's "traceback" line
+        root_cause = result.output.split("Root Cause (first observed failure):")[1]
+        assert "traceback : " in root_cause and message in root_cause and "exitcode  : 2" in root_cause
+        assert 'train_mnist.py", line' not in result.output
+
+
 def test_report_to_wandb_without_wandb_is_refused(tmp_path):
     if importlib.util.find_spec("wandb"):
         pytest.skip("wandb is installed here")

@@ -100,7 +100,7 @@ def test_checkpoint_names_sort_in_training_order():
     assert sorted(names) == names
 
 
-def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location(capsys):
+def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
     parse_args = load_script(MNIST).parse_args
     saved = {**vars(parse_args([])), "lr": 0.05, "epochs": 6, "output_dir": "/elsewhere", "data_dir": "/old"}
     given = parse_args(["--output_dir", "runs/a", "--resume", "latest", "--data_dir", "/new"])
@@ -111,9 +111,8 @@ def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location(caps
         restore_args(parse_args(["--epochs", "9"]), saved, parse_args=parse_args)
     # a value edited by hand in trainer_state.json is checked as if it had been typed
     for name, value in (("lr", -1), ("epochs", "many"), ("schedule", "linear")):
-        with pytest.raises(UserError, match="arguments saved in the checkpoint"):
+        with pytest.raises(UserError, match=f"arguments saved in the checkpoint .* are not valid .*argument --{name}"):
             restore_args(given, {**saved, name: value}, parse_args=parse_args)
-        assert f"argument --{name}" in capsys.readouterr().err
 
 
 def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repaired(tmp_path):
