@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from .errors import UserError
 from .outputs import PREVIOUS_RUN, RUN_FILES, remove_previous_run, write_atomically
 from .models import build_model
-from .reporting import read_metrics
 
 
 def _fsync(path):
@@ -81,11 +80,7 @@ def load_best_model(model_dir):
     meta_path, weights_path = model_dir / "meta.json", model_dir / "model.safetensors"
     if not meta_path.is_file():
         raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote")
-    try:
-        meta = json.loads(meta_path.read_text())
-        problem = _check_meta(meta)
-    except ValueError as error:
-        problem = f"not JSON ({error})"
+    meta, problem = _read_json(meta_path, check=_check_meta)
     if problem:
         raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "
                         "use the meta.json the run wrote beside model.safetensors")
@@ -93,6 +88,15 @@ def load_best_model(model_dir):
     check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
     model.load_state_dict(load_file(weights_path))
     return model.eval(), meta
+
+
+def _read_json(path, *, check):
+    """(the JSON in `path`, what is wrong with it): `check(data)`'s answer, None when nothing is."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as error:  # UnicodeDecodeError included
+        return None, f"not JSON ({error})"
+    return data, check(data)
 
 
 def _check_meta(meta):
@@ -110,6 +114,13 @@ def _check_meta(meta):
     size = meta.get("image_size")
     if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
         return f"'image_size' is {size!r}, not [height, width]"
+    if "eval_transform" not in meta:  # written before the field existed: folder models carried resize_size
+        meta["eval_transform"] = ({"resize": meta["resize_size"], "center_crop": size} if "resize_size" in meta
+                                  else {"resize": size})
+    spec = meta["eval_transform"]
+    if not (isinstance(spec, dict) and isinstance(spec.get("resize"), (int, list))
+            and isinstance(spec.get("center_crop", []), list)):
+        return f"'eval_transform' is {spec!r}"
     for name in ("mean", "std"):
         values = meta.get(name)
         if not (isinstance(values, list) and len(values) == kwargs["in_chans"]
@@ -141,23 +152,16 @@ def check_weights(model, weights_path, *, expected):
                         "architecture or class count; use the meta.json written beside them.")
 
 
-def checkpoint_name(progress):
-    """epoch_002_batch_000120 inside epoch 2, epoch_002_end after its evaluation: the names sort in training order."""
-    if progress["batch"]:
-        return f"epoch_{progress['epoch']:03d}_batch_{progress['batch']:06d}"
-    return f"epoch_{progress['epoch'] - 1:03d}_end"
-
-
-def save_checkpoint(accelerator, output_dir, progress, *, lr_scheduler, meta, keep):
-    """Save the run into output_dir/checkpoints/NAME and point `latest` at it; a kill at any moment leaves
-    `latest` naming a complete checkpoint. Every process calls it. Keeps the newest `keep`; returns the path.
+def save_checkpoint(accelerator, output_dir, name, *, state, keep):
+    """Save the run into output_dir/checkpoints/NAME with `state` as trainer_state.json, and point `latest`
+    at it; a kill at any moment leaves `latest` naming a complete checkpoint. Every process calls it. Keeps
+    the newest `keep`; returns the path.
 
     Every process writes into checkpoints/.tmp-NAME (its RNG state; the main process the rest), then the
     main process adds trainer_state.json, flushes it all to disk and renames the folder, which is atomic;
     only then does it rewrite `latest` (atomically too) and delete old checkpoints.
     """
     checkpoints = Path(output_dir) / "checkpoints"
-    name = checkpoint_name(progress)
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -166,8 +170,6 @@ def save_checkpoint(accelerator, output_dir, progress, *, lr_scheduler, meta, ke
     accelerator.save_state(tmp, safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = {**progress, "lr_scheduler": lr_scheduler.state_dict(), "num_processes": accelerator.num_processes,
-                 **meta}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         _publish(tmp, final)  # replaces the same point saved before (a resumed run that stopped again at once)
         write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
@@ -206,11 +208,7 @@ def find_checkpoint(output_dir, resume):
     if not state_path.is_file():
         raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). Pass "
                         "`latest` or a folder from OUTPUT_DIR/checkpoints/.")
-    try:
-        state = json.loads(state_path.read_text())
-        problem = _check_state(state)
-    except ValueError as error:
-        problem = f"not JSON ({error})"
+    state, problem = _read_json(state_path, check=_check_state)
     if problem:
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
                         f"another checkpoint. {choose}")
@@ -244,24 +242,20 @@ def _check_state(state):
     return None
 
 
-def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler, meta, total_steps):
-    """Restore a checkpoint from `find_checkpoint` into the prepared objects; returns the run's progress
-    (with `checkpoint` None, the progress of a new run).
+def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info, total_steps):
+    """Restore a checkpoint from `find_checkpoint` into the prepared objects and the LR schedule.
 
     Refuses, with both sides named, a checkpoint of another model or class count, one from a finished run,
-    and a mid-epoch one written by another number of processes (the data shards would differ). The main
-    process then drops what the run wrote after the checkpoint: later checkpoints and metrics lines.
+    and a mid-epoch one written by another number of processes (the data shards would differ).
     """
-    if checkpoint is None:
-        return {"epoch": 1, "batch": 0, "step": 0, "best_accuracy": -1.0}
     path = checkpoint["path"]
-    theirs = (checkpoint["architecture"], checkpoint["model_kwargs"])
-    if theirs != (meta["architecture"], meta["model_kwargs"]):
-        raise UserError(f"checkpoint {path} holds {theirs[0]} with {theirs[1]}, but this run builds "
-                        f"{meta['architecture']} with {meta['model_kwargs']}. Resume it with the script and data "
-                        "it was trained on, or start a new run.")
+    theirs, ours = (checkpoint["architecture"], checkpoint["model_kwargs"]), (model_info["architecture"],
+                                                                            model_info["model_kwargs"])
+    if theirs != ours:
+        raise UserError(f"checkpoint {path} holds {theirs[0]} with {theirs[1]}, but this run builds {ours[0]} with "
+                        f"{ours[1]}. Resume it with the script and data it was trained on, or start a new run.")
     check_weights(accelerator.unwrap_model(model, keep_torch_compile=False), path / "model.safetensors",
-                  expected=f"{meta['architecture']} with {meta['model_kwargs']}")
+                  expected=f"{ours[0]} with {ours[1]}")
     if checkpoint["step"] >= total_steps:
         raise UserError(f"checkpoint {path} is the end of a finished run (step {checkpoint['step']} of "
                         f"{total_steps}): nothing to resume. Its best model is in best/.")
@@ -279,28 +273,15 @@ def load_checkpoint(accelerator, checkpoint, output_dir, *, model, lr_scheduler,
     except (RuntimeError, OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
         raise UserError(f"checkpoint {path} is damaged ({error}); resume from an earlier one in "
                         f"{path.parent}") from None
-    progress = {key: checkpoint[key] for key in ("epoch", "batch", "step", "best_accuracy", "epoch_totals")
-                if key in checkpoint}
+
+
+def drop_later_checkpoints(output_dir, path):
+    """A run resumed from an older checkpoint of its own goes on from there: the checkpoints after it go, and
+    `latest` names it (main process)."""
     checkpoints = Path(output_dir) / "checkpoints"
-    if accelerator.is_main_process and path.resolve().parent == checkpoints.resolve():
-        for later in checkpoints.glob("epoch_*"):  # resuming an older checkpoint: the run goes on from there
-            if later.name > path.name:
-                shutil.rmtree(later)
-        write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))
-        kept = [record for record in read_metrics(output_dir) if record["epoch"] < progress["epoch"]]
-        write_atomically(Path(output_dir) / "metrics.jsonl",
-                          lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in kept)))
-    accelerator.wait_for_everyone()
-    accelerator.print(f"resumed from {path}: epoch {progress['epoch']}, batch {progress['batch']}, "
-                      f"step {progress['step']} of {total_steps}")
-    return progress
-
-
-def end_epoch(accelerator, model, output_dir, progress, *, epoch, evaluation, meta, save_checkpoint):
-    """After an epoch's evaluation: replace best/ if validation accuracy improved, then checkpoint the run."""
-    if evaluation["accuracy"] > progress["best_accuracy"]:
-        progress["best_accuracy"] = evaluation["accuracy"]
-        save_best_model(accelerator, model, output_dir, evaluation=evaluation,
-                        meta={**meta, "epoch": epoch, "metric": "val_accuracy", "value": evaluation["accuracy"]})
-    progress.update(epoch=epoch + 1, batch=0)
-    save_checkpoint(progress)
+    if Path(path).resolve().parent != checkpoints.resolve():
+        return  # a checkpoint of another folder: this one holds no later checkpoints of that run
+    for later in checkpoints.glob("epoch_*"):
+        if later.name > Path(path).name:
+            shutil.rmtree(later)
+    write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(Path(path).name + "\n"))

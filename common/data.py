@@ -39,6 +39,10 @@ class InMemoryDataset(torch.utils.data.Dataset):
         assert images.dtype == torch.uint8 and images.ndim == 4 and len(images) == len(labels)
         self.images, self.labels, self.classes = images.contiguous(), labels.long(), list(classes)
 
+    @property
+    def image_size(self):
+        return tuple(self.images.shape[2:])
+
     def __len__(self):
         return len(self.labels)
 

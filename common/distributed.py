@@ -1,7 +1,6 @@
 """Building the Accelerator so that the same launch works on N GPUs, several nodes, or a CPU-only laptop."""
 
 import os
-import signal
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -77,27 +76,3 @@ def check_process_count(accelerator):
             "processes use `accelerate launch --config_file accelerate_configs/cpu.yaml` (set num_processes there "
             "or pass --num_processes); for one process drop --num_processes."
         )
-
-
-_signals_received = []
-
-
-def catch_sigterm():
-    """From now on SIGTERM (what Slurm and Kubernetes send before a kill) only sets a flag for `stop_requested`.
-
-    torchrun passes the SIGTERM it gets on to every process and gives them 30 s before a SIGKILL.
-    """
-    signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
-
-
-def stop_requested(accelerator):
-    """True on every process once any of them got SIGTERM, so that they all stop at the same step.
-
-    One tiny all-reduce per call when there are several processes (call it once per optimizer step); a
-    single process just reads its flag, without waiting for the device.
-    """
-    if accelerator.num_processes == 1:
-        return bool(_signals_received)
-    if _signals_received:
-        accelerator.set_trigger()
-    return accelerator.check_trigger()

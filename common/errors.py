@@ -23,7 +23,7 @@ class Interrupted(Exception):
 PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 
-def run(main, args):
+def run_main(main, args):
     """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback.
 
     A run stopped by SIGTERM exits with 143, the code of a process killed by SIGTERM, so schedulers see

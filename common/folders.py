@@ -8,6 +8,8 @@ Training reads the files in DataLoader workers (random resized crop, flips, rota
 in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
+import json
+import math
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,8 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from sklearn.model_selection import train_test_split
-from torchvision.transforms import v2
 
 from .errors import UserError
 
@@ -70,6 +70,8 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
         raise UserError(f"cannot split into train and val: every class needs at least 2 images, and "
                         f"{', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer. Add images, or remove the class "
                         "folder")
+    from sklearn.model_selection import train_test_split  # imported here: only a split needs scikit-learn
+
     try:
         train, val = train_test_split(np.arange(len(labels)), test_size=val_fraction, random_state=seed,
                                       stratify=labels)
@@ -101,6 +103,23 @@ def find_splits(data_dir, *, val_fraction, seed):
             {"files": [files[i] for i in val], "labels": [labels[i] for i in val]}, classes, skipped)
 
 
+def read_mean_std(path):
+    """(mean, std) per RGB channel from a JSON of scripts/compute_mean_std.py; ImageNet's without one."""
+    if path is None:
+        return IMAGENET_MEAN, IMAGENET_STD
+    try:
+        stats = json.loads(Path(path).read_text())
+        mean, std = [float(v) for v in stats["mean"]], [float(v) for v in stats["std"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"--mean_std {path}: not a JSON with mean and std written by scripts/compute_mean_std.py "
+                        f"({error})") from None
+    if len(mean) != 3 or len(std) != 3 or not all(map(math.isfinite, mean + std)) or min(std) <= 0:
+        raise UserError(f"--mean_std {path}: needs 3 finite means and 3 stds above 0 (R, G, B), has mean {mean} and "
+                        f"std {std}. A std of 0 means a channel has one value in every image: leave --mean_std out "
+                        "to use ImageNet's")
+    return tuple(mean), tuple(std)
+
+
 def read_image(path, *, channels=3):
     """An image file as a PIL image in RGB (`channels` 3: the seedling PNGs are RGBA) or grayscale (1),
     through `convert_image`. Raises OSError or ValueError for a file that is not a readable image."""
@@ -127,8 +146,7 @@ def check_images(files, *, skip_bad_images, cache_size=None):
     the good images as evaluation first sees them (short side resized to cache_size, center square),
     uint8 (N, 3, S, S); otherwise it is None.
     """
-    shrink = v2.Compose([v2.ToImage(), v2.Resize(cache_size, antialias=True), v2.CenterCrop(cache_size),
-                         v2.ToPureTensor()]) if cache_size else None
+    shrink = build_eval_transform({"resize": cache_size, "center_crop": cache_size}) if cache_size else None
 
     def decode(path):
         try:
@@ -151,25 +169,42 @@ def check_images(files, *, skip_bad_images, cache_size=None):
     return good, bad, cache
 
 
-def build_transforms(image_size):
-    """(train, eval) per-sample transforms, PIL or uint8 tensor in, uint8 (3, S, S) tensor out.
+def build_train_transform(image_size):
+    """Per-sample augmentation, PIL or uint8 tensor in, uint8 (3, S, S) tensor out: random resized crop,
+    horizontal and vertical flips, rotation (seedlings are photographed from above, so any orientation is a
+    real one)."""
+    from torchvision.transforms import v2  # imported here: the in-memory datasets do not need it
 
-    Train: random resized crop, horizontal and vertical flips, rotation (seedlings are photographed from
-    above, so any orientation is a real one). Eval: resize the short side to image_size / 0.875, center crop.
-    """
-    train = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
-                        v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), v2.RandomRotation(30), v2.ToPureTensor()])
-    return train, eval_transform(image_size)
+    return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
+                       v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), v2.RandomRotation(30), v2.ToPureTensor()])
 
 
-def eval_transform(image_size):
-    """Resize the short side to image_size / 0.875 and center-crop image_size: evaluation and predict.py."""
-    return v2.Compose([v2.ToImage(), v2.Resize(resize_size(image_size), antialias=True), v2.CenterCrop(image_size),
-                       v2.ToPureTensor()])
+def build_eval_transform(spec):
+    """The evaluation preprocessing that a model description's "eval_transform" names (common.models.
+    describe_model), PIL image or uint8 tensor in, uint8 (C, H, W) tensor out: {"resize": S, "center_crop":
+    [H, W]} resizes the shorter side to S and crops the center; {"resize": [H, W]} resizes a PIL image to that
+    size with PIL's bilinear filter, as `common.data.decode_image` decodes the in-memory datasets."""
+    from torchvision.transforms import v2
+
+    if "center_crop" in spec:
+        return v2.Compose([v2.ToImage(), v2.Resize(spec["resize"], antialias=True), v2.CenterCrop(spec["center_crop"]),
+                           v2.ToPureTensor()])
+    return v2.Compose([v2.Resize(spec["resize"]), v2.ToImage(), v2.ToPureTensor()])
 
 
 def resize_size(image_size):
+    """The short side evaluation resizes to before its center crop of `image_size` (ImageNet's 256 for 224)."""
     return round(image_size / 0.875)
+
+
+def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None):
+    """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images`; the
+    unreadable ones, left out with `skip_bad_images`, are in its `left_out`."""
+    good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size)
+    dataset = ImageFileDataset([split["files"][i] for i in good], [split["labels"][i] for i in good], classes,
+                               transform=transform, cache=cache)
+    dataset.left_out = [path for path, _ in bad]
+    return dataset
 
 
 class ImageFileDataset(torch.utils.data.Dataset):

@@ -3,12 +3,11 @@
 import json
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # no display on compute nodes
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from sklearn.metrics import classification_report, confusion_matrix  # noqa: E402
+from .outputs import write_atomically
+
+# matplotlib and scikit-learn are imported where the reports are written: a run needs them only at its end
 
 
 def describe_launch(accelerator, *, batch_size, grad_accum):
@@ -19,12 +18,9 @@ def describe_launch(accelerator, *, batch_size, grad_accum):
             f"= {batch_size} per process x {accelerator.num_processes} processes x {grad_accum} accumulation steps")
 
 
-def log_epoch(accelerator, output_dir, *, epoch, epochs, step, train, evaluation, lr, epoch_time_s):
-    """Build the epoch's record; append it to metrics.jsonl, send it to the trackers, print one summary line."""
-    record = {"epoch": epoch, "step": step, **train, "val_loss": evaluation["loss"],
-              "val_accuracy": evaluation["accuracy"], "val_macro_f1": evaluation["macro_f1"],
-              "val_samples": evaluation["samples"], "lr": lr,
-              "epoch_time_s": epoch_time_s}
+def log_epoch(accelerator, output_dir, record, *, epochs):
+    """Append the epoch's record to metrics.jsonl, send it to the trackers, print one summary line."""
+    epoch, lr, epoch_time_s = record["epoch"], record["lr"], record["epoch_time_s"]
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:
         with open(Path(output_dir) / "metrics.jsonl", "a") as f:
@@ -37,6 +33,14 @@ def log_epoch(accelerator, output_dir, *, epoch, epochs, step, train, evaluation
     return record
 
 
+def truncate_metrics(output_dir, *, before_epoch):
+    """Keep the lines of the epochs before `before_epoch`: a run resumed from an older checkpoint writes the
+    later ones again."""
+    kept = [record for record in read_metrics(output_dir) if record["epoch"] < before_epoch]
+    write_atomically(Path(output_dir) / "metrics.jsonl",
+                     lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in kept)))
+
+
 def read_metrics(output_dir):
     path = Path(output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -44,6 +48,8 @@ def read_metrics(output_dir):
 
 def write_reports(output_dir, *, labels, predictions, class_names):
     """classification_report.txt/.json, confusion_matrix.png and curves.png; returns the text report."""
+    from sklearn.metrics import classification_report, confusion_matrix
+
     output_dir = Path(output_dir)
     label_ids = list(range(len(class_names)))
     kwargs = dict(labels=label_ids, target_names=class_names, digits=4, zero_division=0)
@@ -57,7 +63,17 @@ def write_reports(output_dir, *, labels, predictions, class_names):
     return text
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on compute nodes
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_confusion_matrix(path, matrix, class_names):
+    plt = _pyplot()
     size = max(5, 0.6 * len(class_names))
     fig, ax = plt.subplots(figsize=(size + 1, size))
     image = ax.imshow(matrix, cmap="Blues")
@@ -78,6 +94,7 @@ def plot_confusion_matrix(path, matrix, class_names):
 
 
 def plot_curves(path, records):
+    plt = _pyplot()
     epochs = [r["epoch"] for r in records]
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
     loss_ax.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
@@ -91,14 +108,3 @@ def plot_curves(path, records):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def finish_run(accelerator, output_dir, *, evaluation, class_names):
-    """Write the final reports from the last evaluation (main process), print them, close trackers."""
-    if accelerator.is_main_process:
-        report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
-                               class_names=class_names)
-        accelerator.print(f"classification report ({evaluation['samples']} images):\n{report}")
-        accelerator.print(f"outputs written to {output_dir}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()

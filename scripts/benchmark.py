@@ -35,7 +35,7 @@ from PIL import Image
 from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.errors import run  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, InMemoryDataset, build_dataloader, decode_image, preprocess  # noqa: E402
@@ -236,4 +236,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run(main, parse_args())
+    run_main(main, parse_args())

@@ -1,7 +1,7 @@
 """Predict classes for images with a trained `best/` folder (model.safetensors + meta.json).
 
-Same preprocessing as evaluation: convert to the model's channels; resize to its image size (bilinear),
-or for train_seedlings.py models resize the short side and center-crop as its evaluation does;
+Same preprocessing as evaluation, as meta.json's "eval_transform" says: convert to the model's channels;
+resize to its image size (bilinear), or for train_seedlings.py models resize the short side and center-crop;
 normalise with the mean/std in meta.json. Needs no training script and no pickled code.
 Unreadable images are reported by name and skipped; the rest are still predicted.
 
@@ -16,10 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import load_best_model  # noqa: E402
-from common.data import decode_image, preprocess  # noqa: E402
-from common.errors import UserError, run  # noqa: E402
+from common.data import preprocess  # noqa: E402
+from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, device, positive_int  # noqa: E402
-from common.folders import eval_transform, find_images, read_image  # noqa: E402
+from common.folders import build_eval_transform, find_images, read_image  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 
@@ -53,19 +53,15 @@ def main(args):
                       inputs=paths, overwrite=args.overwrite)
     model, meta = load_best_model(args.model_dir)
     model.to(args.device)
-    classes, size, channels = meta["class_names"], meta["image_size"], meta["model_kwargs"]["in_chans"]
-    if "resize_size" in meta:  # the folder datasets' evaluation: short side to resize_size, center crop
-        transform = eval_transform(size[0])
-        decode = lambda path: transform(read_image(path))  # noqa: E731
-    else:  # the in-memory datasets were decoded straight to image_size
-        decode = lambda path: torch.from_numpy(decode_image(path, size=size, channels=channels)).permute(2, 0, 1)  # noqa: E731
+    classes, channels = meta["class_names"], meta["model_kwargs"]["in_chans"]
+    transform = build_eval_transform(meta["eval_transform"])  # what the run's evaluation did
     top_k = min(args.top_k, len(classes))
     rows, failures = [], []
     for start in range(0, len(paths), args.batch_size):
         batch, kept = [], []
         for path in paths[start:start + args.batch_size]:
             try:
-                batch.append(decode(path))
+                batch.append(transform(read_image(path, channels=channels)))
                 kept.append(path)
             except (OSError, ValueError) as error:
                 failures.append(path)
@@ -94,4 +90,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run(main, parse_args())
+    run_main(main, parse_args())

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.errors import UserError, run  # noqa: E402
+from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, seed  # noqa: E402
 from common.folders import list_image_folder, split_dataset  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
@@ -72,4 +72,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run(main, parse_args())
+    run_main(main, parse_args())

@@ -22,7 +22,6 @@ continue a stopped run exactly, mid-epoch included, with the same command plus `
 
 import math
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -30,15 +29,17 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import end_epoch, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from common.errors import run  # noqa: E402
-from common.flags import ArgumentParser, add_common_args, args_to_dict, check_args, restore_args  # noqa: E402
+from common.checkpoint import find_checkpoint  # noqa: E402
 from common.data import build_dataloader, build_digits, build_mnist, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
-from common.engine import build_lr_scheduler, evaluate, train_one_epoch  # noqa: E402
-from common.outputs import prepare_output_dir, set_aside_earlier_run  # noqa: E402
-from common.models import build_model  # noqa: E402
-from common.reporting import describe_launch, finish_run, log_epoch  # noqa: E402
+from common.errors import run_main  # noqa: E402
+from common.evaluation import evaluate  # noqa: E402
+from common.flags import ArgumentParser, add_common_args, args_to_dict, check_args, restore_args  # noqa: E402
+from common.models import build_model, describe_model  # noqa: E402
+from common.optim import build_lr_scheduler  # noqa: E402
+from common.outputs import prepare_output_dir  # noqa: E402
+from common.reporting import describe_launch  # noqa: E402
+from common.run import TrainingRun  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -71,45 +72,46 @@ def main(args):
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
     transform = partial(preprocess, mean=(0.0,), std=(1.0,))  # the model's Keras "rescale"
 
-    # model and optimisation; model_meta goes into best/meta.json (predict.py rebuilds the model from it)
-    # and into every checkpoint
-    model_meta = {"architecture": "mnist_convnet",
-                  "model_kwargs": {"num_classes": len(train_set.classes), "in_chans": 1},
-                  "class_names": train_set.classes, "image_size": list(train_set.images.shape[2:]),
-                  "mean": [0.0], "std": [1.0], "args": args_to_dict(args)}
-    model = build_model(model_meta["architecture"], **model_meta["model_kwargs"], channels_last=args.channels_last)
+    # model and optimisation
+    model_info = describe_model("mnist_convnet", class_names=train_set.classes, image_size=train_set.image_size,
+                                mean=(0.0,), std=(1.0,)) | {"args": args_to_dict(args)}  # into best/ and checkpoints
+    model = build_model("mnist_convnet", **model_info["model_kwargs"], channels_last=args.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
-    total_steps = args.epochs * math.ceil(len(train_dataloader) / args.grad_accum)
-    total_steps = min(total_steps, args.max_steps or total_steps)
+    total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    set_aside_earlier_run(output_dir, accelerator)  # all read and checked: --overwrite may now move the old run
-    accelerator.init_trackers("train_mnist", config=args_to_dict(args))
-    accelerator.print(f"{args.dataset}: {len(train_set)} train / {len(eval_set)} test images, "
-                      f"{total_steps} optimizer steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
-    # epoch loop; a checkpoint at the end of each epoch (and every --checkpoint_every steps, and on SIGTERM)
-    progress = load_checkpoint(accelerator, checkpoint, output_dir, model=model, lr_scheduler=lr_scheduler,
-                               meta=model_meta, total_steps=total_steps)  # a new run's start without --resume
-    save = partial(save_checkpoint, accelerator, output_dir, lr_scheduler=lr_scheduler, meta=model_meta,
-                   keep=args.keep_checkpoints)
-    for epoch in range(progress["epoch"], args.epochs + 1):
-        start = time.perf_counter()
-        train = train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, progress=progress,
-                                loss_fn=loss_fn, transform=transform, max_grad_norm=args.max_grad_norm,
-                                max_steps=total_steps, checkpoint_every=args.checkpoint_every, save_checkpoint=save)
+    # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
+    run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
+                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
+    run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
+    accelerator.init_trackers("train_mnist", config=args_to_dict(args))
+    accelerator.print(f"{args.dataset}: {len(train_set)} train / {len(eval_set)} test images, {total_steps} optimizer "
+                      f"steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
+
+    for epoch in run.epochs(args.epochs):
+        model.train()
+        for batch in run.batches(train_dataloader):
+            images, labels = transform(batch["image"]), batch["label"]
+            with accelerator.accumulate(model):
+                loss = loss_fn(model(images), labels)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients:  # one optimizer step, whatever --grad_accum
+                lr_scheduler.step()
+            run.record(loss, batch)  # totals; every few steps: nan watch, SIGTERM, checkpoint
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=transform)
-        log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=progress["step"], train=train,
-                  evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
-        end_epoch(accelerator, model, output_dir, progress, epoch=epoch, evaluation=evaluation, meta=model_meta,
-                  save_checkpoint=save)  # best/ if it improved, then the epoch's checkpoint
-        if progress["step"] >= total_steps:
-            break
-    finish_run(accelerator, output_dir, evaluation=evaluation, class_names=train_set.classes)
+        run.log_epoch(evaluation)
+        run.save_best(model, evaluation)  # best/ when validation accuracy improved
+        run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
+    run.finish(evaluation)
 
 
 if __name__ == "__main__":
-    run(main, parse_args())
+    run_main(main, parse_args())

@@ -1,11 +1,12 @@
 """Fine-tune ResNet-50 (or any timm model) on Plant Seedlings, or any folder of class folders.
 
-Recipe (the seed post's): Adam lr 1e-4, cosine annealing to 1e-6 (optional warmup), timm Mixup/CutMix
-(mixup alpha 0.8, cutmix alpha 1.0, prob 0.1, switch prob 0.5, label smoothing 0.1) with a soft-target
-cross entropy, gradient clipping at norm 5.0, SyncBatchNorm on several GPUs, mixed precision from the
-Accelerate config, ImageNet-pretrained weights when you give them. Train images get a random resized
-crop, flips and a rotation; evaluation resizes and center-crops. Training drops the last incomplete
-batch: mixup needs an even batch, and an odd one would otherwise be mixed differently.
+Recipe. Kept from the seed post: Adam lr 1e-4, cosine annealing to 1e-6, timm Mixup/CutMix (mixup alpha
+0.8, cutmix alpha 1.0, prob 0.1, switch prob 0.5) with a soft-target cross entropy, label smoothing 0.1,
+gradient clipping at norm 5.0, SyncBatchNorm on several GPUs, mixed precision (from the Accelerate config),
+ImageNet-pretrained weights when you give them. Changed: batch 32 per process (the seed: 256), 20 epochs
+(the seed: 1000), the LR stepped per optimizer step rather than per epoch, random resized crop + flips +
+rotation instead of a squashing resize, ImageNet's mean/std unless --mean_std, and evaluation at 224 after
+a 256 resize and center crop. Training drops the last incomplete batch: mixup needs an even batch.
 Accuracy and time: see README "Results" (only what was measured is reported there).
 
 Data (--data_dir): `DIR/<class>/<image>` (split here: stratified, --val_fraction 0.3, --seed), or
@@ -23,10 +24,8 @@ continue a stopped run with the same command plus `--resume latest`.
 """
 
 import argparse
-import json
 import math
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -36,18 +35,20 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import end_epoch, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from common.errors import UserError, run  # noqa: E402
-from common.flags import (ArgumentParser, add_common_args, args_to_dict, check_args, nonnegative_float,  # noqa: E402
-                          nonnegative_int, number, probability, restore_args)
+from common.checkpoint import find_checkpoint  # noqa: E402
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
-from common.engine import build_lr_scheduler, evaluate, train_one_epoch  # noqa: E402
-from common.folders import (IMAGENET_MEAN, IMAGENET_STD, ImageFileDataset, build_file_dataloader,  # noqa: E402
-                            build_transforms, check_images, find_splits, resize_size)
-from common.outputs import prepare_output_dir, set_aside_earlier_run  # noqa: E402
-from common.models import build_model, load_pretrained  # noqa: E402
-from common.reporting import describe_launch, finish_run, log_epoch  # noqa: E402
+from common.errors import UserError, run_main  # noqa: E402
+from common.evaluation import evaluate  # noqa: E402
+from common.flags import (ArgumentParser, add_common_args, args_to_dict, check_args, nonnegative_float,  # noqa: E402
+                          nonnegative_int, number, probability, restore_args)
+from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset,  # noqa: E402
+                            build_train_transform, find_splits, read_mean_std, resize_size)
+from common.models import build_model, describe_model, load_pretrained  # noqa: E402
+from common.optim import build_lr_scheduler  # noqa: E402
+from common.outputs import prepare_output_dir  # noqa: E402
+from common.reporting import describe_launch  # noqa: E402
+from common.run import TrainingRun  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -72,22 +73,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def read_mean_std(path):
-    if path is None:
-        return IMAGENET_MEAN, IMAGENET_STD
-    try:
-        stats = json.loads(Path(path).read_text())
-        mean, std = [float(v) for v in stats["mean"]], [float(v) for v in stats["std"]]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"--mean_std {path}: not a JSON with mean and std written by scripts/compute_mean_std.py "
-                        f"({error})") from None
-    if len(mean) != 3 or len(std) != 3 or not all(map(math.isfinite, mean + std)) or min(std) <= 0:
-        raise UserError(f"--mean_std {path}: needs 3 finite means and 3 stds above 0 (R, G, B), has mean {mean} and "
-                        f"std {std}. A std of 0 means a channel has one value in every image: leave --mean_std out "
-                        "to use ImageNet's")
-    return tuple(mean), tuple(std)
-
-
 def main(args):
     check_args(args)
     checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
@@ -103,38 +88,34 @@ def main(args):
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
-    mean, std = read_mean_std(args.mean_std)
 
     # data: files listed and split the same way on every rank, every image decoded once up front
+    mean, std = read_mean_std(args.mean_std)
     train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
                                                            seed=args.seed)
-    if skipped:
-        accelerator.print(f"warning: skipped {len(skipped)} files that are not images, e.g. {skipped[0]}")
-    train_transform, eval_transform = build_transforms(args.image_size)
-    datasets = {}
-    for name, split, transform in (("train", train_split, train_transform), ("val", val_split, eval_transform)):
-        good, bad, cache = check_images(split["files"], skip_bad_images=args.skip_bad_images,
-                                        cache_size=resize_size(args.image_size) if args.cache_images else None)
-        if bad:
-            accelerator.print(f"warning: left out {len(bad)} unreadable {name} images, e.g. {bad[0][0]}")
-        datasets[name] = ImageFileDataset([split["files"][i] for i in good], [split["labels"][i] for i in good],
-                                          classes, transform=transform, cache=cache)
-    loader = partial(build_file_dataloader, batch_size=args.batch_size, num_workers=args.num_workers)
+    model_info = describe_model(args.model, class_names=classes, image_size=(args.image_size, args.image_size),
+                                mean=mean, std=std, resize_size=resize_size(args.image_size)) | {
+                                    "args": args_to_dict(args)}  # into best/ and every checkpoint
+    folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
+                             cache_size=resize_size(args.image_size) if args.cache_images else None)
+    train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size))
+    eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]))
+    for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
+                           ("unreadable val images", eval_set.left_out)):
+        if left_out:
+            accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
     # drop_last: every training batch is full, so even (mixup) and the same size on every process
-    train_dataloader = loader(datasets["train"], shuffle=True, drop_last=True)
-    eval_dataloader = loader(datasets["val"], shuffle=False)
+    train_dataloader = build_file_dataloader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                             num_workers=args.num_workers)
+    eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, shuffle=False,
+                                            num_workers=args.num_workers)
     if len(train_dataloader) == 0:
-        raise UserError(f"{len(datasets['train'])} training images make no full batch of --batch_size "
-                        f"{args.batch_size}: lower it")
+        raise UserError(f"{len(train_set)} training images make no full batch of --batch_size {args.batch_size}: "
+                        "lower it")
     normalise = partial(preprocess, mean=mean, std=std)
 
-    # model and optimisation; model_meta goes into best/meta.json (predict.py rebuilds the model from it)
-    # and into every checkpoint
-    model_meta = {"architecture": args.model, "model_kwargs": {"num_classes": len(classes), "in_chans": 3},
-                  "class_names": classes, "image_size": [args.image_size, args.image_size],
-                  "resize_size": resize_size(args.image_size), "mean": list(mean), "std": list(std),
-                  "args": args_to_dict(args)}
-    model = build_model(args.model, **model_meta["model_kwargs"], channels_last=args.channels_last)
+    # model and optimisation
+    model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last)
     if args.pretrained and not checkpoint:
         accelerator.print(load_pretrained(model, args.model, args.pretrained))
     sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False
@@ -145,39 +126,44 @@ def main(args):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
-    total_steps = args.epochs * math.ceil(len(train_dataloader) / args.grad_accum)
-    total_steps = min(total_steps, args.max_steps or total_steps)
+    total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction, min_lr_ratio=1e-6 / args.lr)
     mixup = Mixup(mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, prob=args.mixup_prob,
                   switch_prob=args.mixup_switch_prob, label_smoothing=args.label_smoothing,
                   num_classes=len(classes)) if mixing else None
     loss_fn = SoftTargetCrossEntropy() if mixing else torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    set_aside_earlier_run(output_dir, accelerator)  # all read and checked: --overwrite may now move the old run
-    accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
-    accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(datasets['train'])} train / "
-                      f"{len(datasets['val'])} val images, {total_steps} optimizer steps; SyncBatchNorm "
-                      f"{'on' if sync_bn else 'off'}; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
-    # epoch loop; a checkpoint at the end of each epoch (and every --checkpoint_every steps, and on SIGTERM)
-    progress = load_checkpoint(accelerator, checkpoint, output_dir, model=model, lr_scheduler=lr_scheduler,
-                               meta=model_meta, total_steps=total_steps)  # a new run's start without --resume
-    save = partial(save_checkpoint, accelerator, output_dir, lr_scheduler=lr_scheduler, meta=model_meta,
-                   keep=args.keep_checkpoints)
-    for epoch in range(progress["epoch"], args.epochs + 1):
-        start = time.perf_counter()
-        train = train_one_epoch(model, train_dataloader, optimizer, lr_scheduler, accelerator, progress=progress,
-                                loss_fn=loss_fn, transform=normalise, mixup=mixup, max_grad_norm=args.max_grad_norm,
-                                max_steps=total_steps, checkpoint_every=args.checkpoint_every, save_checkpoint=save)
+    # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
+    run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
+                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
+    run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
+    accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
+    accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
+                      f"images, {total_steps} optimizer steps; SyncBatchNorm {'on' if sync_bn else 'off'}; "
+                      f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
+
+    for epoch in run.epochs(args.epochs):
+        model.train()
+        for batch in run.batches(train_dataloader):
+            images, labels = normalise(batch["image"]), batch["label"]
+            images, targets = mixup(images, labels) if mixup else (images, labels)  # soft targets when mixed
+            with accelerator.accumulate(model):
+                loss = loss_fn(model(images), targets)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients:  # one optimizer step, whatever --grad_accum
+                lr_scheduler.step()
+            run.record(loss, batch)  # totals; every few steps: nan watch, SIGTERM, checkpoint
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=normalise)
-        log_epoch(accelerator, output_dir, epoch=epoch, epochs=args.epochs, step=progress["step"], train=train,
-                  evaluation=evaluation, lr=lr_scheduler.get_last_lr()[0], epoch_time_s=time.perf_counter() - start)
-        end_epoch(accelerator, model, output_dir, progress, epoch=epoch, evaluation=evaluation, meta=model_meta,
-                  save_checkpoint=save)  # best/ if it improved, then the epoch's checkpoint
-        if progress["step"] >= total_steps:
-            break
-    finish_run(accelerator, output_dir, evaluation=evaluation, class_names=classes)
+        run.log_epoch(evaluation)
+        run.save_best(model, evaluation)  # best/ when validation accuracy improved
+        run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
+    run.finish(evaluation)
 
 
 if __name__ == "__main__":
-    run(main, parse_args())
+    run_main(main, parse_args())

@@ -2,7 +2,6 @@
 and loses nothing. Real scripts on real files; the slow ones train the digits for an epoch or two."""
 
 import argparse
-import errno
 import gzip
 import hashlib
 import importlib.util

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint import _publish, checkpoint_name
-from common.errors import UserError, run
+from common.checkpoint import _publish
+from common.run import checkpoint_name
+from common.errors import UserError, run_main
 from common.flags import restore_args
 from conftest import REPO, kill_everything, launch_command, run_command, spawn, wait_for
 
@@ -42,7 +43,7 @@ def refused(script, *args, capsys):
     """Run a script's main in this process and return what it printed; it must stop with a UserError (exit 2)."""
     module = load_script(script)
     with pytest.raises(SystemExit) as stop:
-        run(module.main, module.parse_args(list(map(str, args))))
+        run_main(module.main, module.parse_args(list(map(str, args))))
     assert stop.value.code == 2
     return capsys.readouterr().err
 
@@ -94,8 +95,7 @@ def reference(tmp_path_factory):
 # ---- fast: the pieces ----
 
 def test_checkpoint_names_sort_in_training_order():
-    names = [checkpoint_name(p) for p in ({"epoch": 2, "batch": 0}, {"epoch": 2, "batch": 7},
-                                          {"epoch": 2, "batch": 43}, {"epoch": 3, "batch": 0})]
+    names = [checkpoint_name(1), checkpoint_name(2, 7), checkpoint_name(2, 43), checkpoint_name(2)]
     assert names == ["epoch_001_end", "epoch_002_batch_000007", "epoch_002_batch_000043", "epoch_002_end"]
     assert sorted(names) == names
 

@@ -106,9 +106,9 @@ def test_process_count_mismatch_is_refused(tmp_path):
         import sys
         sys.path.insert(0, {str(REPO)!r})
         from accelerate import Accelerator
-        from common.errors import run
+        from common.errors import run_main
         from common.distributed import check_process_count
-        run(lambda accelerator: (check_process_count(accelerator), print("trained")), Accelerator())
+        run_main(lambda accelerator: (check_process_count(accelerator), print("trained")), Accelerator())
     """))
     result = launch(probe)
     assert result.returncode != 0

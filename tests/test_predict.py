@@ -68,7 +68,8 @@ def test_corrupt_or_foreign_weights_get_a_clear_message(digits_run, tmp_path):
     image = tmp_path / "x.png"
     Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(image)
 
-    (best / "meta.json").write_text(json.dumps({**meta, "model_kwargs": {"num_classes": 12, "in_chans": 1}}))
+    (best / "meta.json").write_text(json.dumps({**meta, "model_kwargs": {"num_classes": 12, "in_chans": 1},
+                                                "class_names": [str(i) for i in range(12)]}))
     (best / "model.safetensors").write_bytes(weights)
     result = predict("--model_dir", best, "--output", tmp_path / "out.csv", image)
     assert result.returncode == 2 and "do not fit mnist_convnet" in result.output and "num_classes': 12" in result.output

@@ -1,0 +1,38 @@
+"""Evaluation on every process, each sample counted exactly once."""
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.inference_mode()
+def evaluate(model, eval_dataloader, accelerator, *, transform):
+    """Evaluate on every rank; `gather_for_metrics` per batch counts each sample exactly once.
+
+    Returns loss (plain cross entropy), accuracy, samples, and the gathered predictions,
+    probabilities and labels (numpy, in dataset order for an unshuffled loader).
+    """
+    model.eval()
+    losses, probabilities, labels = [], [], []
+    for batch in eval_dataloader:
+        logits = model(transform(batch["image"])).float()
+        loss = F.cross_entropy(logits, batch["label"], reduction="none")
+        # gather per batch: gather_for_metrics drops the duplicated padding samples, which exist only
+        # in the last batch, and only knows to do so while iterating that batch
+        loss, probs, label = accelerator.gather_for_metrics((loss, logits.softmax(1), batch["label"]))
+        losses.append(loss.cpu())
+        probabilities.append(probs.cpu())
+        labels.append(label.cpu())
+    losses, probabilities, labels = torch.cat(losses), torch.cat(probabilities), torch.cat(labels)
+    predictions = probabilities.argmax(1)
+    from sklearn.metrics import f1_score  # imported here: a run needs scikit-learn only once it evaluates
+
+    return {
+        "loss": losses.mean().item(),
+        "accuracy": (predictions == labels).float().mean().item(),
+        "macro_f1": f1_score(labels, predictions, average="macro", labels=range(probabilities.shape[1]),
+                             zero_division=0),
+        "samples": len(labels),
+        "predictions": predictions.numpy(),
+        "probabilities": probabilities.numpy(),
+        "labels": labels.numpy(),
+    }

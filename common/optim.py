@@ -1,0 +1,31 @@
+"""The LR schedule: per optimizer step, so that it is the same whatever the accumulation and process count."""
+
+import math
+from functools import partial
+
+import torch
+
+
+def _schedule_factor(step, *, schedule, total_steps, warmup_steps, min_lr_ratio):
+    if schedule == "constant":
+        return 1.0
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "onecycle":  # linear warmup, then linear decay to zero
+        return 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0, min_lr_ratio=0.0):
+    """A per-optimizer-step schedule: `onecycle` (linear up, linear down), `cosine` (warmup, then cosine down
+    to `min_lr_ratio` x the peak) or `constant`.
+
+    Built on the number of optimizer steps this process takes and stepped by the script only when
+    gradients sync, so it is not passed through `accelerator.prepare` (which would step it once per
+    process); TrainingRun keeps its state in the checkpoint's trainer_state.json.
+    """
+    warmup_steps = int(warmup_fraction * total_steps)
+    factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps,
+                     min_lr_ratio=min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

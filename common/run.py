@@ -1,0 +1,262 @@
+"""The bookkeeping of one training run, so that the training step can stay in the script (STYLE.md 5-6).
+
+    run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps)
+    run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)   # resume, or set an --overwrite's old run aside
+    for epoch in run.epochs(args.epochs):
+        model.train()
+        for batch in run.batches(train_dataloader):
+            ...forward, loss, accelerator.backward, clip, optimizer and schedule step...
+            run.record(loss, batch)
+        evaluation = evaluate(model, eval_dataloader, accelerator, transform=...)
+        run.log_epoch(evaluation)
+        run.save_best(model, evaluation)
+        run.save_checkpoint()
+    run.finish(evaluation)
+
+TrainingRun counts and writes; it owns no model, optimizer or loss and calls no training code. Its state
+is its attributes (epoch, batch, step, best accuracy, the epoch's totals), changed only by its methods.
+Nothing in `record` waits for the device: the host looks (nan watch, SIGTERM agreement, progress bar) every
+CHECK_EVERY optimizer steps, before every checkpoint and at the end of each epoch, in one small gather.
+"""
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import drop_later_checkpoints, load_checkpoint, save_best_model, save_checkpoint
+from .errors import Interrupted, UserError
+from .outputs import set_aside_earlier_run
+from .reporting import log_epoch, truncate_metrics, write_reports
+
+# tqdm's monitor thread exits when the last bar closes, which is when evaluation starts its DataLoader workers:
+# a fork at that moment can deadlock the child (CPython deletes the other threads' states after a fork), and
+# a seedlings run hung there. The monitor only tunes how often a slow bar redraws.
+tqdm.monitor_interval = 0
+CHECK_EVERY = 20  # optimizer steps between two looks at the device; a SIGTERM is obeyed at most this late
+NO_STEP = 2**62  # "no step had a nan/inf loss"
+
+
+class NonFiniteLoss(UserError):
+    """The loss became nan or inf; nothing was saved after that step."""
+
+
+_signals_received = []
+
+
+def catch_sigterm():
+    """From now on SIGTERM (what Slurm and Kubernetes send before a kill; torchrun passes it on to every
+    process and gives them 30 s before a SIGKILL) only sets a flag, which TrainingRun reads at its next look."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
+
+
+def checkpoint_name(epoch, batch=None):
+    """epoch_002_batch_000120 inside epoch 2, epoch_002_end after its evaluation: the names sort in training
+    order, which is how old checkpoints are found."""
+    return f"epoch_{epoch:03d}_end" if batch is None else f"epoch_{epoch:03d}_batch_{batch:06d}"
+
+
+class TrainingRun:
+    """Where a run stands and what it has written: epochs, batches and optimizer steps, the epoch's running
+    totals, checkpoints (every `checkpoint_every` steps, each epoch, on SIGTERM; the newest
+    `keep_checkpoints` kept), metrics.jsonl, best/ and the final report. `model_info` (common.models.
+    describe_model, plus the arguments) goes into every checkpoint and best/meta.json."""
+
+    def __init__(self, accelerator, output_dir, *, model_info, total_steps, checkpoint_every=None,
+                 keep_checkpoints=2):
+        self.accelerator, self.output_dir = accelerator, Path(output_dir)
+        self.model_info, self.total_steps = model_info, total_steps
+        self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
+        self.epoch, self.batch, self.step, self.best_accuracy = 1, 0, 0, -1.0
+        self.last_epoch = None  # set by epochs()
+        self.lr_scheduler = None
+        self.in_epoch = False  # between run.batches() and the end of its loop
+        self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
+        self._totals = self._nonfinite = self._started = self._train = None
+
+    @property
+    def finished(self):
+        return self.step >= self.total_steps
+
+    # ---- start ----
+
+    def start(self, checkpoint, *, model, lr_scheduler):
+        """Continue from `checkpoint` (common.checkpoint.find_checkpoint; refused if it does not fit) or, for a
+        new run, set an earlier run in the output folder aside: everything the run reads has been read by now."""
+        accelerator = self.accelerator
+        self.lr_scheduler = lr_scheduler
+        if checkpoint is None:
+            set_aside_earlier_run(self.output_dir, accelerator)
+        else:
+            load_checkpoint(accelerator, checkpoint, model=model, lr_scheduler=lr_scheduler,
+                            model_info=self.model_info, total_steps=self.total_steps)
+            self.epoch, self.batch, self.step = checkpoint["epoch"], checkpoint["batch"], checkpoint["step"]
+            self.best_accuracy, self._resumed_totals = checkpoint["best_accuracy"], checkpoint.get("epoch_totals")
+            if accelerator.is_main_process:  # resuming an older checkpoint: the run goes on from there
+                drop_later_checkpoints(self.output_dir, checkpoint["path"])
+                truncate_metrics(self.output_dir, before_epoch=self.epoch)
+            accelerator.wait_for_everyone()
+            accelerator.print(f"resumed from {checkpoint['path']}: epoch {self.epoch}, batch {self.batch}, "
+                              f"step {self.step} of {self.total_steps}")
+        catch_sigterm()
+
+    # ---- the epoch loop ----
+
+    def epochs(self, epochs):
+        """The epochs left to train, from where the run starts; ends early at `total_steps` (--max_steps)."""
+        self.last_epoch = epochs
+        while self.epoch <= epochs and not self.finished:
+            yield self.epoch
+            self.epoch, self.batch = self.epoch + 1, 0
+
+    def batches(self, train_dataloader):
+        """This process's batches of the epoch: the shuffle of (seed, epoch), a resumed epoch's trained part
+        skipped, a progress bar on the main process; stops at `total_steps`. When the loop is done it looks
+        for a nan/inf loss, before the epoch's evaluation, best/ and checkpoint."""
+        train_dataloader.set_epoch(self.epoch)
+        if self.batch:
+            train_dataloader = self.accelerator.skip_first_batches(train_dataloader, self.batch)
+            train_dataloader.set_epoch(self.epoch)  # Accelerate before PR #4071 starts the skipping loader at epoch 0
+        self._start_totals()
+        self.in_epoch = True
+        progress_bar = tqdm(train_dataloader, desc=f"epoch {self.epoch}", leave=False, dynamic_ncols=True,
+                            mininterval=2, disable=not self.accelerator.is_main_process)
+        for batch in progress_bar:
+            yield batch
+            if self.step % CHECK_EVERY == 0 and self.accelerator.sync_gradients:
+                progress_bar.set_postfix(loss=f"{self._last_loss:.3f}", img_s=f"{self._images_per_s():,.0f}",
+                                         lr=f"{self.lr_scheduler.get_last_lr()[0]:.2e}")
+            if self.finished:
+                break
+        progress_bar.close()
+        self._train = {"time": time.perf_counter() - self._started, "images_per_s": self._images_per_s()}
+        self._look()
+        self.in_epoch = False
+
+    def record(self, loss, batch):
+        """Count a trained batch (call it after the step). On an optimizer step: every CHECK_EVERY steps a look
+        at the device, every `checkpoint_every` steps a checkpoint; after a SIGTERM, a checkpoint and a stop."""
+        totals, labels = self._totals, batch["label"]
+        totals["loss_sum"] += loss.detach() * len(labels)
+        totals["samples"] += len(labels)
+        totals["indices"].append(batch["index"])
+        # the first step whose loss is nan/inf, kept on the device: the host sees it at the next look
+        self._nonfinite = torch.minimum(self._nonfinite, torch.where(loss.detach().isfinite(), NO_STEP, self.step + 1))
+        self.batch += 1
+        if not self.accelerator.sync_gradients:
+            return
+        self.step += 1
+        checkpoint_due = bool(self.checkpoint_every) and self.step % self.checkpoint_every == 0
+        if self.step % CHECK_EVERY and not checkpoint_due:
+            return
+        self._last_loss = loss.item()  # the host waits for the device here, and in _look
+        if checkpoint_due or self._look():  # a look that finds a SIGTERM: save, then stop
+            self.save_checkpoint()
+
+    # ---- the end of an epoch ----
+
+    def log_epoch(self, evaluation):
+        """The epoch's line in metrics.jsonl, the trackers and the console (every process calls it)."""
+        totals = self._global_totals()
+        samples = sum(totals["samples_per_process"])
+        record = {"epoch": self.epoch, "step": self.step, "train_loss": totals["loss_sum"] / max(1, samples),
+                  "train_samples": samples, "train_unique_samples": len(totals["indices"]),
+                  "train_samples_per_process": totals["samples_per_process"],
+                  "images_per_s": self._train["images_per_s"], "train_time_s": self._train["time"],
+                  "val_loss": evaluation["loss"], "val_accuracy": evaluation["accuracy"],
+                  "val_macro_f1": evaluation["macro_f1"], "val_samples": evaluation["samples"],
+                  "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
+        log_epoch(self.accelerator, self.output_dir, record, epochs=self.last_epoch)
+        return record
+
+    def save_best(self, model, evaluation):
+        """Replace best/ when this epoch's validation accuracy is the best so far."""
+        if evaluation["accuracy"] > self.best_accuracy:
+            self.best_accuracy = evaluation["accuracy"]
+            save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
+                            meta={**self.model_info, "epoch": self.epoch, "metric": "val_accuracy",
+                                  "value": evaluation["accuracy"]})
+
+    def save_checkpoint(self):
+        """Checkpoint where the run stands (inside the epoch, or after it); after a SIGTERM, stop the run
+        there with the command that continues it. Every process calls it."""
+        stop = self._look()  # nothing diverged is saved; every process decides to stop at the same point
+        if self.in_epoch:
+            name, position = checkpoint_name(self.epoch, self.batch), (self.epoch, self.batch)
+            state = {"epoch_totals": self._global_totals()}
+        else:
+            name, position, state = checkpoint_name(self.epoch), (self.epoch + 1, 0), {}
+        state.update(epoch=position[0], batch=position[1], step=self.step, best_accuracy=self.best_accuracy,
+                     lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
+                     **self.model_info)
+        path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
+        if stop:
+            self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
+                                   "Run the same command with --resume latest to continue.")
+            raise Interrupted(path)
+
+    def finish(self, evaluation):
+        """The final reports from the last evaluation (main process), then close the trackers."""
+        if self.accelerator.is_main_process:
+            report = write_reports(self.output_dir, labels=evaluation["labels"],
+                                   predictions=evaluation["predictions"], class_names=self.model_info["class_names"])
+            self.accelerator.print(f"classification report ({evaluation['samples']} images):\n{report}")
+            self.accelerator.print(f"outputs written to {self.output_dir}")
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+
+    # ---- inside ----
+
+    def _look(self):
+        """The one collective of the bookkeeping: stop every process with NonFiniteLoss if any saw a nan/inf
+        loss; returns True on every process once any of them got SIGTERM, so that all stop at the same step."""
+        device = self.accelerator.device
+        mine = torch.stack([self._nonfinite, torch.tensor(-len(_signals_received), device=device)])
+        nonfinite, signals = self.accelerator.gather(mine[None]).min(0).values.tolist()
+        if nonfinite != NO_STEP:
+            raise NonFiniteLoss(
+                f"the loss became nan or inf at optimizer step {nonfinite} (epoch {self.epoch}); training stopped "
+                "there and saved nothing after it, so the checkpoints and best/ hold only states from before. The "
+                "run diverged: start again with a lower --lr, --max_grad_norm (e.g. 1.0), or bf16 instead of fp16 "
+                "(a resumed run keeps its arguments, and would diverge the same way)."
+            )
+        if signals and not _signals_received:
+            _signals_received.append(signal.SIGTERM)  # another process got it: this one stops too
+        return signals < 0
+
+    def _start_totals(self):
+        """This process's running loss sum, sample count and sample indices for the epoch.
+
+        A resumed epoch starts from the checkpoint's global totals: each process takes its own sample count,
+        and the main process carries the loss sum and the indices, so the final reduction counts them once.
+        """
+        device = self.accelerator.device
+        self._totals = {"loss_sum": torch.zeros((), device=device), "samples": 0, "indices": []}
+        self._nonfinite = torch.full((), NO_STEP, device=device)
+        saved, self._resumed_totals = self._resumed_totals, None
+        if saved:
+            self._totals["samples"] = saved["samples_per_process"][self.accelerator.process_index]
+            if self.accelerator.is_main_process:
+                self._totals["loss_sum"] += saved["loss_sum"]
+                self._totals["indices"].append(torch.tensor(saved["indices"], dtype=torch.long, device=device))
+        self._started, self._resumed_samples, self._last_loss = time.perf_counter(), self._totals["samples"], 0.0
+
+    def _images_per_s(self):
+        """All processes, timed from this epoch's start: a resumed epoch's earlier part is not in it."""
+        elapsed = time.perf_counter() - self._started
+        return (self._totals["samples"] - self._resumed_samples) * self.accelerator.num_processes / elapsed
+
+    def _global_totals(self):
+        """The epoch's totals over all processes (a collective: every process calls it), as JSON-friendly numbers."""
+        accelerator, totals = self.accelerator, self._totals
+        indices = (torch.cat(totals["indices"]) if totals["indices"]
+                   else torch.zeros(0, dtype=torch.long, device=accelerator.device))
+        seen = accelerator.gather(accelerator.pad_across_processes(indices, pad_index=-1))
+        return {
+            "loss_sum": accelerator.reduce(totals["loss_sum"].clone(), reduction="sum").item(),
+            "samples_per_process": accelerator.gather(
+                torch.tensor([totals["samples"]], device=accelerator.device)).tolist(),
+            "indices": seen[seen >= 0].unique().tolist(),  # sorted; the padding of the last batches repeats a few
+        }
