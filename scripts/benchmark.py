@@ -17,12 +17,18 @@ Training with its data (--train_images N > 0; images/s over N images, after one 
   ours: our data path + the Accelerate training step with the flags above, as train_cifar.py runs;
   seed: the seed scripts' whole loop: the PIL pipeline (--seed_workers workers; the seeds use none),
         fp32, the model in its default layout, a bare PyTorch loop.
+Small-model step (--small_steps N > 0; the MNIST convnet on 28x28 crops of the same images, batch 64,
+AdamW), where per-step costs show:
+  ours: train_mnist.py's loop: the in-memory loader prepared by Accelerate, preprocess, the Accelerate
+        step, the LR schedule and TrainingRun's bookkeeping (common.run);
+  plain: a bare PyTorch loop over the same uint8 batches already in memory, preprocess, the same step.
 Each figure is measured --repeats times; the table shows min and median, the JSON (--output) has all.
 """
 
 import contextlib
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -53,6 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=3, help="default: %(default)s")
     parser.add_argument("--train_images", type=nonnegative_int, default=0,
                         help="also time whole training passes over this many images, ours vs the seed script's")
+    parser.add_argument("--small_steps", type=nonnegative_int, default=0,
+                        help="also time this many steps of the small MNIST convnet, ours vs a plain loop")
     parser.add_argument("--seed_workers", type=nonnegative_int, default=0,
                         help="DataLoader workers of the seed-style passes")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no", help="default: %(default)s")
@@ -128,6 +136,71 @@ def is_benchmark_json(path):
         return False
 
 
+def small_model_rates(pixels, *, accelerator, device, steps, repeats):
+    """images/s of the MNIST convnet's step over `steps` batches of 64: train_mnist.py's loop (loader,
+    Accelerate step, schedule, TrainingRun.record) and a bare loop, alternating within each repeat."""
+    import tempfile
+
+    from common.models import describe_model
+    from common.optim import build_lr_scheduler
+    from common.run import TrainingRun
+
+    gray = pixels[:, :1, 2:30, 2:30].contiguous()  # 28x28, one channel: the MNIST shape
+    index = torch.arange(steps * 64) % len(gray)
+    dataset = InMemoryDataset(gray[index], torch.arange(len(index)) % 10, [str(i) for i in range(10)])
+    rescale = partial(preprocess, mean=(0.0,), std=(1.0,))
+
+    def build():
+        torch.manual_seed(0)
+        model = build_model("mnist_convnet", num_classes=10).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+        return model, optimizer, torch.nn.CrossEntropyLoss(label_smoothing=0.05)
+
+    model, optimizer, loss_fn = build()
+    plain_batches = [(dataset.images[i:i + 64].to(device), dataset.labels[i:i + 64].to(device))
+                     for i in range(0, len(dataset), 64)]
+
+    def plain():
+        for images, labels in plain_batches:
+            loss = loss_fn(model(rescale(images)), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return len(dataset)
+
+    ours_model, ours_optimizer, ours_loss_fn = build()
+    ours_model, ours_optimizer, loader = accelerator.prepare(
+        ours_model, ours_optimizer, build_dataloader(dataset, batch_size=64, shuffle=True))
+    lr_scheduler = build_lr_scheduler(ours_optimizer, schedule="onecycle", total_steps=10**9)
+    output_dir = tempfile.mkdtemp(prefix="benchmark-run-")
+    run = TrainingRun(accelerator, output_dir, total_steps=10**9,
+                      model_info=describe_model("mnist_convnet", class_names=dataset.classes, image_size=(28, 28),
+                                                mean=(0.0,), std=(1.0,)))
+    run.start(None, model=ours_model, lr_scheduler=lr_scheduler)
+
+    def ours():  # the loop of train_mnist.py, as it is written there
+        for batch in run.batches(loader):
+            images, labels = rescale(batch["image"]), batch["label"]
+            with accelerator.accumulate(ours_model):
+                loss = ours_loss_fn(ours_model(images), labels)
+                accelerator.backward(loss)
+                ours_optimizer.step()
+                ours_optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients:
+                lr_scheduler.step()
+            run.record(loss, batch)
+        return len(dataset)
+
+    for loop in (plain, ours):
+        loop()  # warm-up
+    rates = {"small_plain": [], "small_ours": []}
+    for _ in range(repeats):
+        rates["small_plain"] += timed(plain, device=device, repeats=1)
+        rates["small_ours"] += timed(ours, device=device, repeats=1)
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return rates
+
+
 def main(args):
     if args.output:
         check_output_file(args.output, suffix=".json", what="a JSON written by benchmark.py",
@@ -181,6 +254,10 @@ def main(args):
         for key, (model, optimizer, loop) in loops.items():
             results[key] += timed(lambda: loop(model, optimizer, batches), device=device, repeats=1)
 
+    if args.small_steps:  # per-step costs: the small model's step with our bookkeeping against a bare loop
+        results.update(small_model_rates(pixels.permute(0, 3, 1, 2), accelerator=accelerator, device=device,
+                                         steps=args.small_steps, repeats=args.repeats))
+
     if args.train_images:  # whole passes with their data: the seed script's loop against ours
         files, labels = files[:args.train_images], labels[:args.train_images]  # a subset of the images above
         seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
@@ -209,12 +286,17 @@ def main(args):
             "data_seed": "data path, seed style (PIL + ToTensor)",
             "train_ours": "training step, ours (Accelerate)",
             "train_plain": "training step, plain PyTorch loop"}
+    if args.small_steps:
+        rows.update(small_ours="MNIST convnet step, ours (train_mnist.py loop)",
+                    small_plain="MNIST convnet step, plain loop")
     if args.train_images:
         rows.update(train_ours_with_data="training with data, ours",
                     train_seed_script=f"training with data, seed script ({args.seed_workers} workers)")
     median = {key: statistics.median(results[key]) for key in rows}
     results["data_speedup_median"] = median["data_ours"] / median["data_seed"]
     results["train_ours_vs_plain_median"] = median["train_ours"] / median["train_plain"]
+    if args.small_steps:
+        results["small_ours_vs_plain_median"] = median["small_ours"] / median["small_plain"]
     if args.train_images:
         results["train_with_data_speedup_median"] = median["train_ours_with_data"] / median["train_seed_script"]
     print(f"device {results['device']} ({results['cpu_threads']} CPU threads), torch {results['torch']}, "
@@ -226,6 +308,9 @@ def main(args):
     print(f"{'(ours: one-time decode of the JPEGs)':<50} {results['ours_decode_once_images_per_s']:>21,.0f}")
     print(f"data path speed-up, ours / seed style: {results['data_speedup_median']:.1f}x (medians)")
     print(f"training step, ours / plain: {results['train_ours_vs_plain_median']:.3f} (medians)")
+    if args.small_steps:
+        print(f"MNIST convnet step with our bookkeeping, ours / plain: {results['small_ours_vs_plain_median']:.3f} "
+              f"(medians, {args.small_steps} steps of 64)")
     if args.train_images:
         print(f"training with data, ours / seed script: {results['train_with_data_speedup_median']:.1f}x (medians, "
               f"{len(files)} images a pass)")
