@@ -65,12 +65,12 @@ def device(text):
     return text
 
 
-def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule,
-                    warmup_fraction=0.2, max_grad_norm=None):
-    """The flags every training script has; each script passes its own defaults so they stay visible there."""
+def add_common_args(parser):
+    """The flags every training script has. Each script sets its recipe's defaults with `parser.set_defaults`
+    (output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule), so they stay visible there."""
     parser.add_argument("--data_dir", default="data", help="dataset location (default: %(default)s)")
     parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
-    parser.add_argument("--output_dir", default=output_dir, help="run folder (default: %(default)s)")
+    parser.add_argument("--output_dir", default=None, help="run folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run in --output_dir (it is kept in previous_run/ until this run's "
                              "first checkpoint)")
@@ -80,18 +80,18 @@ def add_common_args(parser, *, output_dir, epochs, batch_size, lr, weight_decay,
                         help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
     parser.add_argument("--keep_checkpoints", type=positive_int, default=2, metavar="K",
                         help="keep the newest K checkpoints (default: %(default)s)")
-    parser.add_argument("--epochs", type=positive_int, default=epochs, help="default: %(default)s")
-    parser.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (default: %(default)s)")
-    parser.add_argument("--weight_decay", type=nonnegative_float, default=weight_decay, help="default: %(default)s")
-    parser.add_argument("--label_smoothing", type=number(float, min=0, max=1, max_open=True), default=label_smoothing,
+    parser.add_argument("--epochs", type=positive_int, default=None, help="default: %(default)s")
+    parser.add_argument("--batch_size", type=positive_int, default=None, help="per process (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--weight_decay", type=nonnegative_float, default=None, help="default: %(default)s")
+    parser.add_argument("--label_smoothing", type=number(float, min=0, max=1, max_open=True), default=None,
                         help="default: %(default)s")
-    parser.add_argument("--schedule", choices=["onecycle", "cosine", "constant"], default=schedule,
+    parser.add_argument("--schedule", choices=["onecycle", "cosine", "constant"], default=None,
                         help="LR schedule, stepped per optimizer step (default: %(default)s)")
-    parser.add_argument("--warmup_fraction", type=number(float, min=0, max=1, max_open=True), default=warmup_fraction,
+    parser.add_argument("--warmup_fraction", type=number(float, min=0, max=1, max_open=True), default=0.2,
                         help="share of the steps spent warming up (onecycle, cosine; default: %(default)s)")
     parser.add_argument("--grad_accum", type=positive_int, default=1, help="gradient accumulation steps (default: 1)")
-    parser.add_argument("--max_grad_norm", type=positive_float, default=max_grad_norm,
+    parser.add_argument("--max_grad_norm", type=positive_float, default=None,
                         help="clip gradients to this norm (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="override the accelerate config's setting (bf16 on a recent GPU)")

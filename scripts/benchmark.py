@@ -152,7 +152,7 @@ def small_model_rates(pixels, *, accelerator, device, steps, repeats):
 
     def build():
         torch.manual_seed(0)
-        model = build_model("mnist_convnet", num_classes=10).to(device)
+        model = build_model("mnist_convnet", num_classes=10, in_chans=1).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
         return model, optimizer, torch.nn.CrossEntropyLoss(label_smoothing=0.05)
 
@@ -177,8 +177,10 @@ def small_model_rates(pixels, *, accelerator, device, steps, repeats):
                       model_info=describe_model("mnist_convnet", class_names=dataset.classes, image_size=(28, 28),
                                                 mean=(0.0,), std=(1.0,)))
     run.start(None, model=ours_model, lr_scheduler=lr_scheduler)
+    epochs = run.epochs(10**9)
 
-    def ours():  # the loop of train_mnist.py, as it is written there
+    def ours():  # the loop of train_mnist.py, as it is written there; each pass one epoch
+        next(epochs)
         for batch in run.batches(loader):
             images, labels = rescale(batch["image"]), batch["label"]
             with accelerator.accumulate(ours_model):

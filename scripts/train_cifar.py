@@ -48,8 +48,9 @@ def parse_args(argv=None):
                         help="resnet18_cifar, or any timm model name (default: %(default)s)")
     parser.add_argument("--momentum", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.9,
                         help="SGD Nesterov momentum (default: %(default)s)")
-    add_common_args(parser, output_dir="outputs/cifar", epochs=30, batch_size=128, lr=0.1, weight_decay=5e-4,
-                    label_smoothing=0.1, schedule="onecycle")
+    add_common_args(parser)
+    parser.set_defaults(output_dir="outputs/cifar", epochs=30, batch_size=128, lr=0.1, weight_decay=5e-4,
+                        label_smoothing=0.1, schedule="onecycle")
     return parser.parse_args(argv)
 
 

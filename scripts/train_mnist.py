@@ -46,8 +46,9 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=["mnist", "fashion_mnist", "digits"], default="mnist",
                         help="digits is scikit-learn's bundled set: no download, no --data_dir (default: %(default)s)")
-    add_common_args(parser, output_dir="outputs/mnist", epochs=2, batch_size=64, lr=1e-2, weight_decay=1e-4,
-                    label_smoothing=0.05, schedule="onecycle")
+    add_common_args(parser)
+    parser.set_defaults(output_dir="outputs/mnist", epochs=2, batch_size=64, lr=1e-2, weight_decay=1e-4,
+                        label_smoothing=0.05, schedule="onecycle")
     return parser.parse_args(argv)
 
 

@@ -68,8 +68,9 @@ def parse_args(argv=None):
     parser.add_argument("--num_workers", type=nonnegative_int, default=4, help="DataLoader workers per process (default: %(default)s)")
     parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
-    add_common_args(parser, output_dir="outputs/seedlings", epochs=20, batch_size=32, lr=1e-4, weight_decay=0.0,
-                    label_smoothing=0.1, schedule="cosine", warmup_fraction=0.0, max_grad_norm=5.0)
+    add_common_args(parser)
+    parser.set_defaults(output_dir="outputs/seedlings", epochs=20, batch_size=32, lr=1e-4, weight_decay=0.0,
+                        label_smoothing=0.1, schedule="cosine", warmup_fraction=0.0, max_grad_norm=5.0)
     return parser.parse_args(argv)
 
 
