@@ -109,6 +109,18 @@ def add_common_args(parser):
                         help="experiment tracker through Accelerate (default: %(default)s)")
 
 
+def resolve_args(args, *, parse_args, runtime=()):
+    """(the arguments the run goes with, its checkpoint or None): the command line's, checked; with --resume,
+    the checkpoint's training arguments (`restore_args`) and the checkpoint itself (`find_checkpoint`)."""
+    from .checkpoint import find_checkpoint
+
+    check_args(args)
+    if not args.resume:
+        return args, None
+    checkpoint = find_checkpoint(args.output_dir, args.resume)
+    return restore_args(args, checkpoint["args"], parse_args=parse_args, runtime=runtime), checkpoint
+
+
 def check_args(args):
     """The checks that concern several flags at once (each flag's own range is checked by its `type`)."""
     if args.resume and args.overwrite:

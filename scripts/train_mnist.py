@@ -29,12 +29,11 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import find_checkpoint  # noqa: E402
 from common.data import build_dataloader, build_digits, build_mnist, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
-from common.flags import ArgumentParser, add_common_args, args_to_dict, check_args, restore_args  # noqa: E402
+from common.flags import ArgumentParser, add_common_args, args_to_dict, resolve_args  # noqa: E402
 from common.models import build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
@@ -53,10 +52,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    check_args(args)
-    checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
-    if checkpoint:  # a resumed run continues with the arguments it started with
-        args = restore_args(args, checkpoint["args"], parse_args=parse_args)
+    args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
                                     dist_timeout=args.dist_timeout)

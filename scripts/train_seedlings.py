@@ -35,13 +35,12 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import find_checkpoint  # noqa: E402
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
-from common.flags import (ArgumentParser, add_common_args, args_to_dict, check_args, nonnegative_float,  # noqa: E402
-                          nonnegative_int, number, probability, restore_args)
+from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
+                          nonnegative_int, number, probability, resolve_args)
 from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset,  # noqa: E402
                             build_train_transform, find_splits, read_mean_std, resize_size)
 from common.models import build_model, describe_model, load_pretrained  # noqa: E402
@@ -75,10 +74,8 @@ def parse_args(argv=None):
 
 
 def main(args):
-    check_args(args)
-    checkpoint = find_checkpoint(args.output_dir, args.resume) if args.resume else None
-    if checkpoint:  # a resumed run continues with the arguments it started with
-        args = restore_args(args, checkpoint["args"], parse_args=parse_args, runtime={"num_workers", "cache_images"})
+    # --resume: the checkpoint's arguments, but for the loading flags
+    args, checkpoint = resolve_args(args, parse_args=parse_args, runtime={"num_workers", "cache_images"})
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
