@@ -1,6 +1,7 @@
 """Shared fixtures: real data (CIFAR-10 JPEGs of tests/fixtures, Fashion-MNIST) and a helper that runs real launches."""
 
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -45,6 +46,19 @@ def run_command(command, *, cwd=None, env=None, timeout=600):
     result = subprocess.run(list(map(str, command)), cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
+
+
+def script(name, *args):
+    """scripts/NAME run with this Python, one process, captured."""
+    return run_command([sys.executable, REPO / "scripts" / name, *args])
+
+
+def load_script(name):
+    """scripts/NAME as a module, to call its parse_args and main in this process."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, REPO / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def spawn(command, *, log, env=None):

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,24 +21,13 @@ from common.data import build_cifar10, build_mnist
 from common.errors import UserError
 from common.flags import ArgumentParser
 from common.folders import find_splits, read_image
-from conftest import REPO, run_command, write_idx
+from conftest import REPO, load_script, script, write_idx
 
 SCRIPTS = REPO / "scripts"
 ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
 TOOLS = {"train_mnist.py": [], "train_cifar.py": [], "train_seedlings.py": [], "benchmark.py": [],
          "predict.py": ["--model_dir", "m", "x.png"], "compute_mean_std.py": ["folder"],
          "split_dataset.py": ["source", "target"]}
-
-
-def script(name, *args):
-    return run_command([sys.executable, SCRIPTS / name, *args])
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def assert_refused(result, *phrases):
@@ -173,6 +161,17 @@ def test_compute_mean_std_of_16_bit_images_is_that_of_their_8_bit_values(tmp_pat
         assert script("compute_mean_std.py", tmp_path / name, "--output", tmp_path / f"{name}.json").returncode == 0
     wide, narrow = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("gray16", "gray8"))
     assert wide["mean"] == narrow["mean"] and wide["std"] == narrow["std"] and 0.1 < wide["mean"][0] < 0.9
+
+
+def test_compute_mean_std_checks_its_output_before_reading_images(tmp_path):
+    images = ODD_IMAGES.parent / "seedlings"
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    for output, message in ((tmp_path / "missing" / "s.json", "does not exist"), (tmp_path, "is a folder"),
+                            (tmp_path / "stats.txt", "must end in .json"),
+                            (notes, "exists and is not a JSON written by compute_mean_std.py")):
+        assert_refused(script("compute_mean_std.py", images, "--output", output), message)
+    assert notes.read_text() == '{"mine": 1}'
 
 
 # ---- damaged dataset files ----

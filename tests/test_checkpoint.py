@@ -1,6 +1,5 @@
 """Checkpoints and resuming: exact resume (1 and 2 processes), SIGTERM, SIGKILL during a save, refusals."""
 
-import importlib.util
 import json
 import re
 import shutil
@@ -15,7 +14,7 @@ from common.checkpoint import _publish
 from common.run import checkpoint_name
 from common.errors import UserError, run_main
 from common.flags import restore_args
-from conftest import REPO, kill_everything, launch_command, run_command, spawn, wait_for
+from conftest import REPO, kill_everything, launch_command, load_script, run_command, spawn, wait_for
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
@@ -32,16 +31,9 @@ def train(*args, processes=1, script=MNIST):
     return run_command(train_command(*args, processes=processes, script=script))
 
 
-def load_script(script):
-    spec = importlib.util.spec_from_file_location(script.stem, script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def refused(script, *args, capsys):
     """Run a script's main in this process and return what it printed; it must stop with a UserError (exit 2)."""
-    module = load_script(script)
+    module = load_script(script.name)
     with pytest.raises(SystemExit) as stop:
         run_main(module.main, module.parse_args(list(map(str, args))))
     assert stop.value.code == 2
@@ -101,7 +93,7 @@ def test_checkpoint_names_sort_in_training_order():
 
 
 def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
-    parse_args = load_script(MNIST).parse_args
+    parse_args = load_script("train_mnist.py").parse_args
     saved = {**vars(parse_args([])), "lr": 0.05, "epochs": 6, "output_dir": "/elsewhere", "data_dir": "/old"}
     given = parse_args(["--output_dir", "runs/a", "--resume", "latest", "--data_dir", "/new"])
     restored = restore_args(given, saved, parse_args=parse_args)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from common.errors import UserError
 from common.folders import check_images, find_splits, list_image_folder, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import FIXTURES, REPO, launch, launch_command, run_command
+from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
 SCRIPTS = REPO / "scripts"
 
@@ -31,10 +31,6 @@ def seedlings(tmp_path_factory):
     root = Path(shutil.copytree(FIXTURES / "seedlings", tmp_path_factory.mktemp("seedlings") / "plant-seedlings"))
     assert len(list(root.iterdir())) == 12 and len(list(root.rglob("*.png"))) == 85
     return root
-
-
-def script(name, *args):
-    return run_command([sys.executable, SCRIPTS / name, *args])
 
 
 def test_split_is_stratified_deterministic_and_loses_nothing(seedlings):
