@@ -24,7 +24,8 @@ PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 
 def run_main(main, args):
-    """Call `main(args)`; a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback.
+    """Call `main(args)`; a UserError becomes one `error: ...` message (`exit_with_message`) and exit code 2, not a
+    traceback.
 
     A run stopped by SIGTERM exits with 143, the code of a process killed by SIGTERM, so schedulers see
     that it did not finish. A collective that timed out (--dist_timeout) or lost its peer is another

@@ -70,7 +70,7 @@ class TrainingRun:
         self.model_info, self.total_steps = model_info, total_steps
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.epoch, self.batch, self.step, self.best_accuracy = 1, 0, 0, -1.0
-        self.last_epoch = None  # set by epochs()
+        self.num_epochs = None  # set by epochs()
         self.lr_scheduler = None
         self.in_epoch = False  # between run.batches() and the end of its loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
@@ -106,7 +106,7 @@ class TrainingRun:
 
     def epochs(self, epochs):
         """The epochs left to train, from where the run starts; ends early at `total_steps` (--max_steps)."""
-        self.last_epoch = epochs
+        self.num_epochs = epochs
         while self.epoch <= epochs and not self.finished:
             yield self.epoch
             self.epoch, self.batch = self.epoch + 1, 0
@@ -168,7 +168,7 @@ class TrainingRun:
                   "val_loss": evaluation["loss"], "val_accuracy": evaluation["accuracy"],
                   "val_macro_f1": evaluation["macro_f1"], "val_samples": evaluation["samples"],
                   "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
-        log_epoch(self.accelerator, self.output_dir, record, epochs=self.last_epoch)
+        log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)
         return record
 
     def save_best(self, model, evaluation):
