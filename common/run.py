@@ -15,8 +15,9 @@
 
 TrainingRun counts and writes; it owns no model, optimizer or loss and calls no training code. Its state
 is its attributes (epoch, batch, step, best accuracy, the epoch's totals), changed only by its methods.
-Nothing in `record` waits for the device: the host looks (nan watch, SIGTERM agreement, progress bar) every
-CHECK_EVERY optimizer steps, before every checkpoint and at the end of each epoch, in one small gather.
+Nothing in `record` waits for the device at every step: the host looks (nan watch, SIGTERM agreement, progress
+bar) in one small gather every CHECK_EVERY optimizer steps, or every LOOK_SECONDS of training when steps are
+slow, before every checkpoint and at the end of each epoch.
 """
 
 import signal
@@ -35,7 +36,8 @@ from .reporting import log_epoch, truncate_metrics, write_reports
 # a fork at that moment can deadlock the child (CPython deletes the other threads' states after a fork), and
 # a seedlings run hung there. The monitor only tunes how often a slow bar redraws.
 tqdm.monitor_interval = 0
-CHECK_EVERY = 20  # optimizer steps between two looks at the device; a SIGTERM is obeyed at most this late
+CHECK_EVERY = 20  # optimizer steps between two looks at the device at most ...
+LOOK_SECONDS = 2.0  # ... and fewer when steps are slow: a SIGTERM is obeyed within about this much training
 NO_STEP = 2**62  # "no step had a nan/inf loss"
 
 
@@ -75,6 +77,7 @@ class TrainingRun:
         self.in_epoch = False  # between run.batches() and the end of its loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
         self._totals = self._nonfinite = self._started = self._train = None
+        self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
 
     @property
     def finished(self):
@@ -125,7 +128,7 @@ class TrainingRun:
                             mininterval=2, disable=not self.accelerator.is_main_process)
         for batch in progress_bar:
             yield batch
-            if self.step % CHECK_EVERY == 0 and self.accelerator.sync_gradients:
+            if self._last_look[0] == self.step and self.accelerator.sync_gradients:  # record() just looked
                 progress_bar.set_postfix(loss=f"{self._last_loss:.3f}", img_s=f"{self._images_per_s():,.0f}",
                                          lr=f"{self.lr_scheduler.get_last_lr()[0]:.2e}")
             if self.finished:
@@ -149,7 +152,7 @@ class TrainingRun:
             return
         self.step += 1
         checkpoint_due = bool(self.checkpoint_every) and self.step % self.checkpoint_every == 0
-        if self.step % CHECK_EVERY and not checkpoint_due:
+        if self.step < self._next_look and not checkpoint_due:
             return
         self._last_loss = loss.item()  # the host waits for the device here, and in _look
         if checkpoint_due or self._look():  # a look that finds a SIGTERM: save, then stop
@@ -212,9 +215,15 @@ class TrainingRun:
     def _look(self):
         """The one collective of the bookkeeping: stop every process with NonFiniteLoss if any saw a nan/inf
         loss; returns True on every process once any of them got SIGTERM, so that all stop at the same step."""
-        device = self.accelerator.device
-        mine = torch.stack([self._nonfinite, torch.tensor(-len(_signals_received), device=device)])
-        nonfinite, signals = self.accelerator.gather(mine[None]).min(0).values.tolist()
+        device, now = self.accelerator.device, time.perf_counter()
+        step_ms = 1000 * (now - self._last_look[1]) / max(1, self.step - self._last_look[0])
+        mine = torch.tensor([-len(_signals_received), -int(step_ms)], device=device)
+        seen = self.accelerator.gather(torch.cat([self._nonfinite[None], mine])[None]).min(0).values.tolist()
+        nonfinite, signals, slowest_step_ms = seen[0], seen[1], -seen[2]
+        # the next look, the same on every process since all see the same numbers: in CHECK_EVERY steps, or
+        # sooner when that much training would take longer than LOOK_SECONDS
+        self._next_look = self.step + max(1, min(CHECK_EVERY, int(1000 * LOOK_SECONDS / max(1, slowest_step_ms))))
+        self._last_look = (self.step, now)
         if nonfinite != NO_STEP:
             raise NonFiniteLoss(
                 f"the loss became nan or inf at optimizer step {nonfinite} (epoch {self.epoch}); training stopped "
@@ -242,6 +251,7 @@ class TrainingRun:
                 self._totals["loss_sum"] += saved["loss_sum"]
                 self._totals["indices"].append(torch.tensor(saved["indices"], dtype=torch.long, device=device))
         self._started, self._resumed_samples, self._last_loss = time.perf_counter(), self._totals["samples"], 0.0
+        self._next_look, self._last_look = self.step + 1, (self.step, self._started)  # the first step measures
 
     def _images_per_s(self):
         """All processes, timed from this epoch's start: a resumed epoch's earlier part is not in it."""

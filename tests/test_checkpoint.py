@@ -125,6 +125,50 @@ def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repair
     assert (best / "model.safetensors").read_text() == "epoch 3" and not old.exists()
 
 
+def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
+    """With slow steps the bookkeeping looks for a SIGTERM more often than every 20 steps, so the stop and its
+    checkpoint come within about LOOK_SECONDS, well inside torchrun's 30 s before its SIGKILL."""
+    import os
+    import time
+
+    import common.run
+    from common.data import build_dataloader, build_digits, preprocess
+    from common.distributed import build_accelerator
+    from common.errors import Interrupted
+    from common.models import build_model, describe_model
+    from common.optim import build_lr_scheduler
+
+    accelerator = build_accelerator(output_dir=tmp_path)
+    train_set, _ = build_digits()
+    model = build_model("mnist_convnet", num_classes=10, in_chans=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, build_dataloader(train_set, batch_size=16,
+                                                                                       shuffle=True))
+    lr_scheduler = build_lr_scheduler(optimizer, schedule="constant", total_steps=1000)
+    info = describe_model("mnist_convnet", class_names=train_set.classes, image_size=(8, 8), mean=(0.0,), std=(1.0,))
+    run = common.run.TrainingRun(accelerator, tmp_path, model_info=info | {"args": {}}, total_steps=1000)
+    run.start(None, model=model, lr_scheduler=lr_scheduler)
+    step_s = common.run.LOOK_SECONDS / 5  # a look every 5 steps, not every CHECK_EVERY = 20
+    try:
+        with pytest.raises(Interrupted):
+            for _ in run.epochs(10):
+                for batch in run.batches(loader):
+                    loss = torch.nn.functional.cross_entropy(model(preprocess(batch["image"], mean=(0.0,), std=(1.0,))),
+                                                             batch["label"])
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    time.sleep(step_s)
+                    if run.step == 2:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    run.record(loss, batch)
+        assert 3 <= run.step <= 8, run.step  # the signal came at step 2; 20 steps would be 4 s of training
+        assert (tmp_path / "checkpoints" / "latest").read_text().strip() == checkpoint_name(1, run.batch)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        common.run._signals_received.clear()
+
+
 # ---- slow: real runs ----
 
 @pytest.mark.slow
