@@ -121,7 +121,7 @@ def read_mean_std(path):
 
 
 def read_image(path, *, channels=3):
-    """An image file as a PIL image in RGB (`channels` 3: the seedling PNGs are RGBA) or grayscale (1),
+    """An image file as a PIL image in RGB (`channels` 3; RGBA, palette and grayscale files too) or grayscale (1),
     through `convert_image`. Raises OSError or ValueError for a file that is not a readable image."""
     try:
         with Image.open(path) as image:
