@@ -67,7 +67,7 @@ def device(text):
 
 def add_common_args(parser):
     """The flags every training script has. Each script sets its recipe's defaults with `parser.set_defaults`
-    (output_dir, epochs, batch_size, lr, weight_decay, label_smoothing, schedule), so they stay visible there."""
+    (output_dir, epochs, batch_size, weight_decay, label_smoothing, schedule), so they stay visible there."""
     parser.add_argument("--data_dir", default="data", help="dataset location (default: %(default)s)")
     parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
     parser.add_argument("--output_dir", default=None, help="run folder (default: %(default)s)")
@@ -82,7 +82,9 @@ def add_common_args(parser):
                         help="keep the newest K checkpoints (default: %(default)s)")
     parser.add_argument("--epochs", type=positive_int, default=None, help="default: %(default)s")
     parser.add_argument("--batch_size", type=positive_int, default=None, help="per process (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=None,
+                        help="peak learning rate, used as given (default: the recipe's, scaled to the global batch; "
+                             "the first log line says how)")
     parser.add_argument("--weight_decay", type=nonnegative_float, default=None, help="default: %(default)s")
     parser.add_argument("--label_smoothing", type=number(float, min=0, max=1, max_open=True), default=None,
                         help="default: %(default)s")

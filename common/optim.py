@@ -29,3 +29,19 @@ def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0,
     factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps,
                      min_lr_ratio=min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def scale_lr(lr, *, base_lr, base_batch, global_batch, rule):
+    """(the peak LR of the run, a line that says where it comes from).
+
+    `lr` (--lr) is used as given. Without it, the recipe's `base_lr`, tuned at a global batch of `base_batch`,
+    follows this run's `global_batch`: in proportion (`rule="linear"`, for SGD) or by the square root
+    (`"sqrt"`, for Adam/AdamW), the rules timm applies with --lr-base and --lr-base-size. So going from one
+    process to sixteen keeps the recipe instead of silently changing it.
+    """
+    if lr is not None:
+        return lr, f"lr {lr:g} (--lr, as given)"
+    ratio = global_batch / base_batch
+    lr = base_lr * (ratio if rule == "linear" else math.sqrt(ratio))
+    scaled = f"{global_batch} / {base_batch}" if rule == "linear" else f"sqrt({global_batch} / {base_batch})"
+    return lr, f"lr {lr:.4g} = {base_lr:g} x {scaled} (the recipe's LR at a global batch of {base_batch}, {rule} rule)"

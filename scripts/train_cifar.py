@@ -2,8 +2,8 @@
 
 Recipe: random crop (pad 4) + horizontal flip done on the device, SGD with Nesterov momentum 0.9,
 weight decay 5e-4, label smoothing 0.1, one-cycle LR (linear warmup over 20% of the steps, then
-linear decay to 0), batch 128 per process, test accuracy every epoch. `--lr` is used as given:
-scale it with the global batch size if you change that a lot.
+linear decay to 0) peaking at 0.1 for a global batch of 128 and in proportion to the global batch
+otherwise (--lr sets it exactly), batch 128 per process, test accuracy every epoch.
 Accuracy and time: see README "Results" (only what was measured is reported there).
 
 Data (--data_dir): the official python batches (`cifar-10-batches-py/` or `cifar-10-python.tar.gz`),
@@ -35,7 +35,7 @@ from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, resolve_args  # noqa: E402
 from common.models import build_model, describe_model  # noqa: E402
-from common.optim import build_lr_scheduler  # noqa: E402
+from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
 from common.run import TrainingRun  # noqa: E402
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--momentum", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.9,
                         help="SGD Nesterov momentum (default: %(default)s)")
     add_common_args(parser)
-    parser.set_defaults(output_dir="outputs/cifar", epochs=30, batch_size=128, lr=0.1, weight_decay=5e-4,
+    parser.set_defaults(output_dir="outputs/cifar", epochs=30, batch_size=128, weight_decay=5e-4,
                         label_smoothing=0.1, schedule="onecycle")
     return parser.parse_args(argv)
 
@@ -73,7 +73,10 @@ def main(args):
     model_info = describe_model(args.model, class_names=train_set.classes, image_size=(32, 32), mean=CIFAR10_MEAN,
                                 std=CIFAR10_STD) | {"args": args_to_dict(args)}  # into best/ and every checkpoint
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
+    # the recipe's LR is 0.1 at a global batch of 128; without --lr it follows the global batch in proportion
+    global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
+    lr, lr_rule = scale_lr(args.lr, base_lr=0.1, base_batch=128, global_batch=global_batch, rule="linear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
@@ -88,7 +91,8 @@ def main(args):
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_cifar", config=args_to_dict(args))
     accelerator.print(f"CIFAR-10: {len(train_set)} train / {len(eval_set)} test images, {total_steps} optimizer "
-                      f"steps; {describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
+                      f"steps, {lr_rule}; "
+                      f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs):
         model.train()

@@ -1,6 +1,7 @@
 """Fine-tune ResNet-50 (or any timm model) on Plant Seedlings, or any folder of class folders.
 
-Recipe. Kept from the seed post: Adam lr 1e-4, cosine annealing to 1e-6, timm Mixup/CutMix (mixup alpha
+Recipe. Kept from the seed post: Adam lr 1e-4 (here at a global batch of 32, scaled by the square root
+of the global batch unless --lr is given), cosine annealing to 1e-6, timm Mixup/CutMix (mixup alpha
 0.8, cutmix alpha 1.0, prob 0.1, switch prob 0.5) with a soft-target cross entropy, label smoothing 0.1,
 gradient clipping at norm 5.0, SyncBatchNorm on several GPUs, mixed precision (from the Accelerate config),
 ImageNet-pretrained weights when you give them. Changed: batch 32 per process (the seed: 256), 20 epochs
@@ -44,7 +45,7 @@ from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnega
 from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset,  # noqa: E402
                             build_train_transform, find_splits, read_mean_std, resize_size)
 from common.models import build_model, describe_model, load_pretrained  # noqa: E402
-from common.optim import build_lr_scheduler  # noqa: E402
+from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
 from common.run import TrainingRun  # noqa: E402
@@ -68,7 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     add_common_args(parser)
-    parser.set_defaults(output_dir="outputs/seedlings", epochs=20, batch_size=32, lr=1e-4, weight_decay=0.0,
+    parser.set_defaults(output_dir="outputs/seedlings", epochs=20, batch_size=32, weight_decay=0.0,
                         label_smoothing=0.1, schedule="cosine", warmup_fraction=0.0, max_grad_norm=5.0)
     return parser.parse_args(argv)
 
@@ -121,12 +122,15 @@ def main(args):
         accelerator.print("--sync_bn ignored: SyncBatchNorm needs CUDA and more than one process")
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # the recipe's LR is 1e-4 at a global batch of 32; without --lr it follows the global batch's square root
+    global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
+    lr, lr_rule = scale_lr(args.lr, base_lr=1e-4, base_batch=32, global_batch=global_batch, rule="sqrt")
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
     total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
-                                      warmup_fraction=args.warmup_fraction, min_lr_ratio=1e-6 / args.lr)
+                                      warmup_fraction=args.warmup_fraction, min_lr_ratio=1e-6 / lr)
     mixup = Mixup(mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, prob=args.mixup_prob,
                   switch_prob=args.mixup_switch_prob, label_smoothing=args.label_smoothing,
                   num_classes=len(classes)) if mixing else None
@@ -138,7 +142,7 @@ def main(args):
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
-                      f"images, {total_steps} optimizer steps; SyncBatchNorm {'on' if sync_bn else 'off'}; "
+                      f"images, {total_steps} optimizer steps, {lr_rule}; SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs):

@@ -234,3 +234,12 @@ def test_decoded_image_folder_is_cached_beside_the_data(tmp_path, cifar_jpegs, m
     monkeypatch.undo()  # a changed folder is decoded afresh
     shutil.copy(next((root / "cat").iterdir()), root / "cat" / "zz_copy.jpg")
     assert len(load_image_folder(root, size=(32, 32))) == len(first) + 1
+
+
+def test_the_lr_follows_the_global_batch_unless_given():
+    from common.optim import scale_lr
+
+    assert scale_lr(None, base_lr=0.1, base_batch=128, global_batch=512, rule="linear")[0] == pytest.approx(0.4)
+    lr, line = scale_lr(None, base_lr=1e-2, base_batch=64, global_batch=256, rule="sqrt")
+    assert lr == pytest.approx(2e-2) and line.startswith("lr 0.02 = 0.01 x sqrt(256 / 64)")
+    assert scale_lr(0.05, base_lr=0.1, base_batch=128, global_batch=512, rule="linear") == (0.05, "lr 0.05 (--lr, as given)")

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from conftest import (FASHION_MNIST, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
                       launch, read_run, require, run_command)
@@ -22,6 +23,10 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
                     "--output_dir", output_dir, "--epochs", 2, "--batch_size", 64)
     assert result.returncode == 0, result.output
     assert "2 process(es), MULTI_CPU" in result.output and "global batch 128" in result.output
+    # the recipe's AdamW LR (1e-2 at a global batch of 64) follows the global batch of 128 by its square root
+    assert "lr 0.01414 = 0.01 x sqrt(128 / 64)" in result.output
+    optimizer = torch.load(output_dir / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)
+    assert optimizer["param_groups"][0]["initial_lr"] == pytest.approx(0.01 * 2 ** 0.5)
     metrics, report = read_run(output_dir)
     assert [r["epoch"] for r in metrics] == [1, 2]
     assert_two_processes_shared_the_data(metrics, train_size=2001, batch_size=64)
