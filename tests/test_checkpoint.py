@@ -98,7 +98,7 @@ def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
     given = parse_args(["--output_dir", "runs/a", "--resume", "latest", "--data_dir", "/new"])
     restored = restore_args(given, saved, parse_args=parse_args)
     assert vars(restored) == {**saved, "output_dir": "runs/a", "resume": "latest", "data_dir": "/new"}
-    assert given.lr == 0.01  # not changed in place
+    assert given.lr is None  # not changed in place (None: the recipe's LR, scaled to the global batch)
     with pytest.raises(UserError, match=r"--epochs is 9 on the command line but 6 in the checkpoint"):
         restore_args(parse_args(["--epochs", "9"]), saved, parse_args=parse_args)
     # a value edited by hand in trainer_state.json is checked as if it had been typed
