@@ -156,7 +156,8 @@ def restore_args(args, saved, *, parse_args, runtime=()):
             continue
         if restored[name] != defaults[name]:
             raise UserError(
-                f"--{name} is {restored[name]} on the command line but {value} in the checkpoint. A resumed run "
+                f"--{name} is {restored[name]} on the command line but "
+                f"{'unset (its default)' if value is None else value} in the checkpoint. A resumed run "
                 f"keeps its arguments: drop --{name}, or start a new run in another --output_dir."
             )
         restored[name] = value

@@ -234,7 +234,7 @@ def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
     cases = [
         (["--output_dir", finished, "--resume", "latest"], "is the end of a finished run (step 340 of 340)"),
         (["--output_dir", finished, "--resume", "latest", "--lr", 0.5],
-         "--lr is 0.5 on the command line but 0.01 in the checkpoint"),
+         "--lr is 0.5 on the command line but unset (its default) in the checkpoint"),
         (["--output_dir", tmp_path / "empty", "--resume", "latest"], "--resume latest: no checkpoint in"),
         (["--output_dir", finished, "--resume", "latest", "--overwrite"], "pass one of them"),
         (["--output_dir", finished, "--resume", tmp_path], "is not a checkpoint (no trainer_state.json in it)"),
