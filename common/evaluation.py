@@ -2,6 +2,8 @@
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import broadcast
+from torch.nn.parallel import DistributedDataParallel
 
 
 @torch.inference_mode()
@@ -12,6 +14,7 @@ def evaluate(model, eval_dataloader, accelerator, *, transform):
     probabilities and labels (numpy, in dataset order for an unshuffled loader).
     """
     model.eval()
+    _as_on_the_main_process(model, accelerator)
     losses, probabilities, labels = [], [], []
     for batch in eval_dataloader:
         logits = model(transform(batch["image"])).float()
@@ -36,3 +39,11 @@ def evaluate(model, eval_dataloader, accelerator, *, transform):
         "probabilities": probabilities.numpy(),
         "labels": labels.numpy(),
     }
+
+
+def _as_on_the_main_process(model, accelerator):
+    """A module outside DDP, such as an EMA of the weights, drifts apart between processes: each averages the
+    BatchNorm statistics of its own batches. Every process then evaluates the main process's copy, the one
+    that checkpoints and best/ keep. (DDP broadcasts its buffers itself at every forward.)"""
+    if accelerator.num_processes > 1 and not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):
+        broadcast([tensor for tensor in model.state_dict().values()], from_process=0)

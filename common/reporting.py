@@ -25,9 +25,10 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
     if accelerator.is_main_process:
         with open(Path(output_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+    ema = f"ema_val_accuracy {100 * record['ema_val_accuracy']:.2f}%  " if "ema_val_accuracy" in record else ""
     accelerator.print(
         f"epoch {epoch}/{epochs}  train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  "
-        f"val_accuracy {100 * record['val_accuracy']:.2f}% ({record['val_samples']} images)  "
+        f"val_accuracy {100 * record['val_accuracy']:.2f}% ({record['val_samples']} images)  {ema}"
         f"lr {lr:.2e}  {record['images_per_s']:,.0f} img/s  {epoch_time_s:.1f}s"
     )
     return record

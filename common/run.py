@@ -160,8 +160,9 @@ class TrainingRun:
 
     # ---- the end of an epoch ----
 
-    def log_epoch(self, evaluation):
-        """The epoch's line in metrics.jsonl, the trackers and the console (every process calls it)."""
+    def log_epoch(self, evaluation, ema_evaluation=None):
+        """The epoch's line in metrics.jsonl, the trackers and the console (every process calls it); with an
+        EMA of the weights, its evaluation too (`ema_val_*`)."""
         totals = self._global_totals()
         samples = sum(totals["samples_per_process"])
         record = {"epoch": self.epoch, "step": self.step, "train_loss": totals["loss_sum"] / max(1, samples),
@@ -171,16 +172,20 @@ class TrainingRun:
                   "val_loss": evaluation["loss"], "val_accuracy": evaluation["accuracy"],
                   "val_macro_f1": evaluation["macro_f1"], "val_samples": evaluation["samples"],
                   "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
+        if ema_evaluation:
+            record.update(ema_val_loss=ema_evaluation["loss"], ema_val_accuracy=ema_evaluation["accuracy"],
+                          ema_val_macro_f1=ema_evaluation["macro_f1"])
         log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)
         return record
 
-    def save_best(self, model, evaluation):
-        """Replace best/ when this epoch's validation accuracy is the best so far."""
+    def save_best(self, model, evaluation, *, weights="model"):
+        """Replace best/ when this validation accuracy is the best so far. Called for the trained weights and
+        for their EMA (`weights="ema"`), best/ holds the better of all; its meta.json says which."""
         if evaluation["accuracy"] > self.best_accuracy:
             self.best_accuracy = evaluation["accuracy"]
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
-                            meta={**self.model_info, "epoch": self.epoch, "metric": "val_accuracy",
-                                  "value": evaluation["accuracy"]})
+                            meta={**self.model_info, "epoch": self.epoch, "weights": weights,
+                                  "metric": "val_accuracy", "value": evaluation["accuracy"]})
 
     def save_checkpoint(self):
         """Checkpoint where the run stands (inside the epoch, or after it); after a SIGTERM, stop the run

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
+from timm.utils import ModelEmaV3
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
@@ -137,6 +138,10 @@ def main(args):
     loss_fn = SoftTargetCrossEntropy() if mixing else torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
     # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
+    # --ema_decay: timm's average of the weights, prepared so that checkpoints hold it (model_1.safetensors)
+    ema = accelerator.prepare_model(ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False),
+                                               decay=args.ema_decay, use_warmup=True), evaluation_mode=True) if args.ema_decay else None
+
     run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
@@ -159,10 +164,15 @@ def main(args):
                 optimizer.zero_grad(set_to_none=True)
             if accelerator.sync_gradients:  # one optimizer step, whatever --grad_accum
                 lr_scheduler.step()
+                if ema:
+                    ema.update(model, step=run.step)
             run.record(loss, batch)  # totals; every few steps: nan watch, SIGTERM, checkpoint
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=normalise)
-        run.log_epoch(evaluation)
+        ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=normalise) if ema else None
+        run.log_epoch(evaluation, ema_evaluation)
         run.save_best(model, evaluation)  # best/ when validation accuracy improved
+        if ema:
+            run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
     run.finish(evaluation)
 

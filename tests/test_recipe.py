@@ -1,6 +1,5 @@
-"""The promise of keeping the training step in the script: a user copies train_cifar.py and common/ into their
-project, changes the recipe in the copied script alone, and the run still shares its work across 2 processes
-and resumes from the middle of an epoch exactly."""
+"""Recipes in the step-in-the-script design: a user's own edit of a copied script, and the recipe options
+(EMA of the weights, ...), each trained on 2 processes and resumed from the middle of an epoch exactly."""
 
 import json
 import shutil
@@ -18,21 +17,10 @@ EDITS = {  # what a user changes, in the copied script only: an auxiliary loss t
     "                loss = loss_fn(model(images), labels)\n":
         "                logits = model(images)\n"
         "                loss = loss_fn(logits, labels) + 1e-3 * logits.float().pow(2).mean()  # logit penalty\n",
-    "    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,\n"
+    "    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=True,\n"
     "                                weight_decay=args.weight_decay)\n":
-        "    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr / 50, weight_decay=args.weight_decay)\n",
+        "    optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 50, weight_decay=args.weight_decay)\n",
 }
-
-
-def copy_and_edit(project):
-    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
-    (project / "scripts").mkdir()
-    script = (REPO / "scripts" / "train_cifar.py").read_text()
-    for old, new in EDITS.items():
-        assert script.count(old) == 1, f"the step in train_cifar.py no longer reads as the test expects: {old}"
-        script = script.replace(old, new)
-    (project / "scripts" / "train_cifar.py").write_text(script)
-    return project / "scripts" / "train_cifar.py"
 
 
 def metrics(output_dir):
@@ -40,30 +28,66 @@ def metrics(output_dir):
             for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_copied_script_with_its_own_loss_and_optimizer_resumes_mid_epoch_exactly(tmp_path, cifar_jpegs):
-    script = copy_and_edit(tmp_path / "my_project")
-    common = ["--data_dir", cifar_jpegs, "--epochs", 2, "--batch_size", 8, "--checkpoint_every", 3,
-              "--keep_checkpoints", 100]
+def train_then_resume_mid_epoch(tmp_path, script, *args, epoch, weights=("model.safetensors",), cwd=None):
+    """Train uninterrupted on 2 processes (a checkpoint every 3 steps), then resume a copy of the run from the
+    first checkpoint inside `epoch` with only the location flags, and check that both end the same: the
+    `weights` files of the last checkpoint, the optimizer state and metrics.jsonl. Returns the reference run."""
     reference = tmp_path / "reference"
-    result = launch(script, *common, "--output_dir", reference, cwd=tmp_path / "my_project")
+    result = launch(script, *args, "--output_dir", reference, "--checkpoint_every", 3, "--keep_checkpoints", 100,
+                    cwd=cwd)
     assert result.returncode == 0, result.output
+    resumed = shutil.copytree(reference, tmp_path / "resumed")
+    middle = sorted((resumed / "checkpoints").glob(f"epoch_{epoch:03d}_batch_*"))[0]
+    location = [value for flag, value in zip(args, args[1:]) if flag == "--data_dir"][:1]
+    result = launch(script, *(["--data_dir", *location] if location else []), "--output_dir", resumed,
+                    "--resume", middle, cwd=cwd)
+    assert result.returncode == 0, result.output
+    assert f"resumed from {middle}: epoch {epoch}, batch {int(middle.name[-6:])}" in result.output
+    last = sorted((reference / "checkpoints").glob("epoch_*_end"))[-1].name
+    for name in weights:
+        ours, theirs = (load_file(run / "checkpoints" / last / name) for run in (resumed, reference))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-6) for k in ours), name
+    ours, theirs = (torch.load(run / "checkpoints" / last / "optimizer.bin", weights_only=True)["state"]
+                    for run in (resumed, reference))
+    assert all(torch.allclose(ours[i]["exp_avg"], theirs[i]["exp_avg"], atol=1e-7) for i in theirs)
+    for record, expected in zip(metrics(resumed), metrics(reference), strict=True):
+        assert all(record[k] == pytest.approx(expected[k], rel=1e-6) for k in expected), (record, expected)
+    return reference
+
+
+def test_a_copied_script_with_its_own_loss_and_optimizer_resumes_mid_epoch_exactly(tmp_path, cifar_jpegs):
+    project = tmp_path / "my_project"
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    (project / "scripts").mkdir()
+    script = (REPO / "scripts" / "train_cifar.py").read_text()
+    for old, new in EDITS.items():
+        assert script.count(old) == 1, f"the step in train_cifar.py no longer reads as the test expects: {old}"
+        script = script.replace(old, new)
+    (project / "scripts" / "train_cifar.py").write_text(script)
+
+    reference = train_then_resume_mid_epoch(tmp_path, project / "scripts" / "train_cifar.py", "--data_dir",
+                                            cifar_jpegs, "--epochs", 2, "--batch_size", 8, epoch=2, cwd=project)
     assert_two_processes_shared_the_data(metrics(reference), train_size=151, batch_size=8)
     # the edited recipe ran: AdamW's moments in the optimizer state, not SGD's momentum buffers
     state = torch.load(reference / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)["state"]
     assert {"exp_avg", "exp_avg_sq"} <= state[0].keys() and "momentum_buffer" not in state[0]
 
-    # resume a copy from the first checkpoint inside epoch 2, with no other training flags
-    resumed = shutil.copytree(reference, tmp_path / "resumed")
-    middle = sorted((resumed / "checkpoints").glob("epoch_002_batch_*"))[0]
-    result = launch(script, "--data_dir", cifar_jpegs, "--output_dir", resumed, "--resume", middle,
-                    cwd=tmp_path / "my_project")
-    assert result.returncode == 0, result.output
-    assert f"resumed from {middle}: epoch 2, batch {int(middle.name[-6:])}" in result.output
-    ours, theirs = (load_file(run / "checkpoints" / "epoch_002_end" / "model.safetensors") for run in (resumed, reference))
-    assert ours.keys() == theirs.keys()
-    assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-6) for k in ours)
-    ours, theirs = (torch.load(run / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)["state"]
-                    for run in (resumed, reference))
-    assert all(torch.allclose(ours[i]["exp_avg"], theirs[i]["exp_avg"], atol=1e-7) for i in theirs)
-    for record, expected in zip(metrics(resumed), metrics(reference), strict=True):
-        assert all(record[k] == pytest.approx(expected[k], rel=1e-6) for k in expected), (record, expected)
+
+def test_ema_is_evaluated_beside_the_model_checkpointed_and_resumed_exactly(tmp_path):
+    reference = train_then_resume_mid_epoch(tmp_path, REPO / "scripts" / "train_mnist.py", "--dataset", "digits",
+                                            "--epochs", 3, "--batch_size", 16, "--ema_decay", 0.99, epoch=2,
+                                            weights=("model.safetensors", "model_1.safetensors"))
+    records = metrics(reference)
+    assert all({"ema_val_accuracy", "ema_val_loss", "ema_val_macro_f1"} <= record.keys() for record in records)
+    ema = load_file(reference / "checkpoints" / "epoch_003_end" / "model_1.safetensors")
+    model = load_file(reference / "checkpoints" / "epoch_003_end" / "model.safetensors")
+    assert set(ema) == {f"module.{name}" for name in model}  # timm's ModelEmaV3 around a copy of the model
+    assert any(not torch.equal(ema[f"module.{name}"], model[name]) for name in model)  # an average, not a copy
+    # best/ holds the better of the two, and says which
+    meta = json.loads((reference / "best" / "meta.json").read_text())
+    best = (-1.0, None)
+    for record in records:  # the order save_best sees them in: each epoch the model, then its EMA
+        for accuracy, weights in ((record["val_accuracy"], "model"), (record["ema_val_accuracy"], "ema")):
+            best = (accuracy, weights) if accuracy > best[0] else best
+    assert meta["weights"] == best[1] and meta["value"] == pytest.approx(best[0])
