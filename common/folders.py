@@ -169,14 +169,16 @@ def check_images(files, *, skip_bad_images, cache_size=None):
     return good, bad, cache
 
 
-def build_train_transform(image_size):
+def build_train_transform(image_size, auto_augment="none"):
     """Per-sample augmentation, PIL or uint8 tensor in, uint8 (3, S, S) tensor out: random resized crop,
     horizontal and vertical flips, rotation (seedlings are photographed from above, so any orientation is a
-    real one)."""
+    real one), then torchvision's TrivialAugmentWide or RandAugment (default settings) if asked for."""
     from torchvision.transforms import v2  # imported here: the in-memory datasets do not need it
 
+    policy = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}[auto_augment]
     return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
-                       v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), v2.RandomRotation(30), v2.ToPureTensor()])
+                       v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), v2.RandomRotation(30), *policy,
+                       v2.ToPureTensor()])
 
 
 def build_eval_transform(spec):
@@ -197,41 +199,87 @@ def resize_size(image_size):
     return round(image_size / 0.875)
 
 
-def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None):
+def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None, seed=None):
     """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images`; the
-    unreadable ones, left out with `skip_bad_images`, are in its `left_out`."""
+    unreadable ones, left out with `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset."""
     good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size)
     dataset = ImageFileDataset([split["files"][i] for i in good], [split["labels"][i] for i in good], classes,
-                               transform=transform, cache=cache)
+                               transform=transform, cache=cache, seed=seed)
     dataset.left_out = [path for path, _ in bad]
     return dataset
 
 
 class ImageFileDataset(torch.utils.data.Dataset):
-    """Images from files, or from a uint8 cache, transformed per sample; items are dicts like InMemoryDataset's."""
+    """Images from files, or from a uint8 cache, transformed per sample; items are dicts like InMemoryDataset's.
 
-    def __init__(self, files, labels, classes, *, transform, cache=None):
+    With `seed`, each sample's random augmentation is drawn from a generator seeded by (seed, epoch, index):
+    a function of the sample alone, not of which DataLoader worker made it or when, so a run resumed in the
+    middle of an epoch augments exactly as the uninterrupted one. TrainingRun tells the epoch (`set_epoch`)
+    through shared memory, which the workers see.
+    """
+
+    def __init__(self, files, labels, classes, *, transform, cache=None, seed=None):
         self.files, self.labels, self.classes = list(files), torch.tensor(labels), list(classes)
-        self.transform, self.cache = transform, cache
+        self.transform, self.cache, self.seed = transform, cache, seed
+        self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
+
+    def set_epoch(self, epoch):
+        self.epoch.fill_(epoch)
 
     def __len__(self):
         return len(self.files)
 
     def __getitem__(self, index):
         image = self.cache[index] if self.cache is not None else read_image(self.files[index])
-        return {"image": self.transform(image), "label": self.labels[index], "index": index}
+        if self.seed is None:
+            return {"image": self.transform(image), "label": self.labels[index], "index": index}
+        # fork_rng: with no workers this runs in the training process, whose own random stream must not move
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(np.random.SeedSequence([self.seed, int(self.epoch), index]).generate_state(1)[0]))
+            return {"image": self.transform(image), "label": self.labels[index], "index": index}
 
 
-def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=4, prefetch_factor=4):
-    """Workers decode and augment, each `prefetch_factor` batches ahead; pinned memory when there is a GPU;
-    workers persist across epochs.
+class ClassBalancedSampler(torch.utils.data.Sampler):
+    """As many indices per epoch as there are samples, each class drawn equally often (with replacement).
+
+    The draw depends on (seed, epoch) only, so every process draws the same order and Accelerate's sharding
+    splits it, and a resumed epoch skips into the very same order.
+    """
+
+    def __init__(self, labels, *, seed):
+        labels = np.asarray(labels)
+        self.weights = torch.as_tensor(1.0 / np.bincount(labels)[labels], dtype=torch.double)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.weights)
+
+    def __iter__(self):
+        seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1)[0])
+        generator = torch.Generator().manual_seed(seed)
+        return iter(torch.multinomial(self.weights, len(self.weights), replacement=True, generator=generator).tolist())
+
+
+def balanced_class_weights(labels, num_classes):
+    """Loss weights n / (num_classes * count): each class weighs as much in the loss as the others
+    (scikit-learn's "balanced")."""
+    counts = np.bincount(np.asarray(labels), minlength=num_classes)
+    return torch.tensor(len(labels) / (num_classes * np.maximum(counts, 1)), dtype=torch.float32)
+
+
+def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=4, sampler=None):
+    """Workers decode and augment, each 4 batches ahead; pinned memory when there is a GPU; workers persist
+    across epochs. `sampler` (a ClassBalancedSampler) replaces the shuffle.
 
     As for the in-memory loader, a generator of its own keeps the global RNG out of it.
     """
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                                       num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0,
-                                       prefetch_factor=prefetch_factor if num_workers > 0 else None,
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
+                                       sampler=sampler, drop_last=drop_last, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+                                       prefetch_factor=4 if num_workers > 0 else None,
                                        generator=torch.Generator(), worker_init_fn=_ignore_sigterm)
 
 

@@ -67,11 +67,11 @@ class TrainingRun:
     describe_model, plus the arguments) goes into every checkpoint and best/meta.json."""
 
     def __init__(self, accelerator, output_dir, *, model_info, total_steps, checkpoint_every=None,
-                 keep_checkpoints=2):
+                 keep_checkpoints=2, patience=None):
         self.accelerator, self.output_dir = accelerator, Path(output_dir)
         self.model_info, self.total_steps = model_info, total_steps
-        self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
-        self.epoch, self.batch, self.step, self.best_accuracy = 1, 0, 0, -1.0
+        self.checkpoint_every, self.keep_checkpoints, self.patience = checkpoint_every, keep_checkpoints, patience
+        self.epoch, self.batch, self.step, self.best_accuracy, self.best_epoch = 1, 0, 0, -1.0, 0
         self.num_epochs = None  # set by epochs()
         self.lr_scheduler = None
         self.in_epoch = False  # between run.batches() and the end of its loop
@@ -82,6 +82,11 @@ class TrainingRun:
     @property
     def finished(self):
         return self.step >= self.total_steps
+
+    @property
+    def out_of_patience(self):
+        """--patience N: N epochs have ended since the best validation accuracy (self.epoch is the next one)."""
+        return bool(self.patience) and self.epoch - 1 - self.best_epoch >= self.patience
 
     # ---- start ----
 
@@ -97,6 +102,11 @@ class TrainingRun:
                             model_info=self.model_info, total_steps=self.total_steps)
             self.epoch, self.batch, self.step = checkpoint["epoch"], checkpoint["batch"], checkpoint["step"]
             self.best_accuracy, self._resumed_totals = checkpoint["best_accuracy"], checkpoint.get("epoch_totals")
+            self.best_epoch = checkpoint.get("best_epoch", 0)
+            if self.out_of_patience:
+                raise UserError(f"checkpoint {checkpoint['path']} is the end of a run stopped early: val accuracy "
+                                f"did not improve for {self.patience} epoch(s) after epoch {self.best_epoch} "
+                                f"(--patience {self.patience}). Nothing to resume; its best model is in best/.")
             if accelerator.is_main_process:  # resuming an older checkpoint: the run goes on from there
                 drop_later_checkpoints(self.output_dir, checkpoint["path"])
                 truncate_metrics(self.output_dir, before_epoch=self.epoch)
@@ -108,17 +118,25 @@ class TrainingRun:
     # ---- the epoch loop ----
 
     def epochs(self, epochs):
-        """The epochs left to train, from where the run starts; ends early at `total_steps` (--max_steps)."""
+        """The epochs left to train, from where the run starts; ends early at `total_steps` (--max_steps), or
+        when `patience` epochs have passed without a better validation accuracy."""
         self.num_epochs = epochs
         while self.epoch <= epochs and not self.finished:
             yield self.epoch
             self.epoch, self.batch = self.epoch + 1, 0
+            if self.out_of_patience and self.epoch <= epochs and not self.finished:
+                self.accelerator.print(f"early stop after epoch {self.epoch - 1}: val accuracy has not improved for "
+                                       f"{self.patience} epoch(s) (--patience); best/ holds epoch {self.best_epoch} "
+                                       f"({self.best_accuracy:.2%}), the reports below are of the last epoch")
+                return
 
     def batches(self, train_dataloader):
         """This process's batches of the epoch: the shuffle of (seed, epoch), a resumed epoch's trained part
         skipped, a progress bar on the main process; stops at `total_steps`. When the loop is done it looks
         for a nan/inf loss, before the epoch's evaluation, best/ and checkpoint."""
         train_dataloader.set_epoch(self.epoch)
+        if hasattr(train_dataloader.dataset, "set_epoch"):  # a dataset that augments in its workers, seeded by epoch
+            train_dataloader.dataset.set_epoch(self.epoch)
         if self.batch:
             train_dataloader = self.accelerator.skip_first_batches(train_dataloader, self.batch)
             train_dataloader.set_epoch(self.epoch)  # Accelerate before PR #4071 starts the skipping loader at epoch 0
@@ -182,7 +200,7 @@ class TrainingRun:
         """Replace best/ when this validation accuracy is the best so far. Called for the trained weights and
         for their EMA (`weights="ema"`), best/ holds the better of all; its meta.json says which."""
         if evaluation["accuracy"] > self.best_accuracy:
-            self.best_accuracy = evaluation["accuracy"]
+            self.best_accuracy, self.best_epoch = evaluation["accuracy"], self.epoch
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
                                   "metric": "val_accuracy", "value": evaluation["accuracy"]})
@@ -197,7 +215,8 @@ class TrainingRun:
         else:
             name, position, state = checkpoint_name(self.epoch), (self.epoch + 1, 0), {}
         state.update(epoch=position[0], batch=position[1], step=self.step, best_accuracy=self.best_accuracy,
-                     lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
+                     best_epoch=self.best_epoch, lr_scheduler=self.lr_scheduler.state_dict(),
+                     num_processes=self.accelerator.num_processes,
                      **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
         if stop:

@@ -34,7 +34,7 @@ from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataload
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
-from common.flags import ArgumentParser, add_common_args, args_to_dict, number, resolve_args  # noqa: E402
+from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability, resolve_args  # noqa: E402
 from common.models import build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
@@ -48,6 +48,12 @@ def parse_args(argv=None):
                         help="resnet18_cifar, or any timm model name (default: %(default)s)")
     parser.add_argument("--momentum", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.9,
                         help="SGD Nesterov momentum (default: %(default)s)")
+    parser.add_argument("--cutout", type=number(int, min=0, max=32), default=0,
+                        help="erase a square of this side around a random point of every training image, on "
+                             "the device (16 is the Cutout paper's CIFAR-10 value; default: off)")
+    parser.add_argument("--random_erasing", type=probability, default=0.0,
+                        help="share of training images with a random rectangle erased, on the device "
+                             "(default: %(default)s)")
     add_common_args(parser)
     parser.set_defaults(output_dir="outputs/cifar", epochs=30, batch_size=128, weight_decay=5e-4,
                         label_smoothing=0.1, schedule="onecycle")
@@ -63,11 +69,12 @@ def main(args):
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
 
-    # data: uint8 tensors in memory; crop, flip and normalise happen on the device
+    # data: uint8 tensors in memory; crop, flip, Cutout/erasing and normalise happen on the device
     train_set, eval_set = build_cifar10(args.data_dir, download=args.download)
     train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
-    train_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True)
+    train_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True,
+                              cutout=args.cutout, erasing=args.random_erasing)
     eval_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD)
 
     # model and optimisation

@@ -8,6 +8,8 @@ ImageNet-pretrained weights when you give them. Changed: batch 32 per process (t
 (the seed: 1000), the LR stepped per optimizer step rather than per epoch, random resized crop + flips +
 rotation instead of a squashing resize, ImageNet's mean/std unless --mean_std, and evaluation at 224 after
 a 256 resize and center crop. Training drops the last incomplete batch: mixup needs an even batch.
+Options, off by default: for imbalanced folders --class_weights balanced and --sampler balanced; stronger
+augmentation with --auto_augment and --random_erasing; --ema_decay; --patience N (early stopping).
 Accuracy and time: see README "Results" (only what was measured is reported there).
 
 Data (--data_dir): `DIR/<class>/<image>` (split here: stratified, --val_fraction 0.3, --seed), or
@@ -34,7 +36,6 @@ import torch
 from accelerate.utils import set_seed
 from timm.utils import ModelEmaV3
 from timm.data import Mixup
-from timm.loss import SoftTargetCrossEntropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.data import preprocess  # noqa: E402
@@ -42,9 +43,10 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
-                          nonnegative_int, number, probability, resolve_args)
-from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset,  # noqa: E402
-                            build_train_transform, find_splits, read_mean_std, resize_size)
+                          nonnegative_int, number, positive_int, probability, resolve_args)
+from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
+                            build_file_dataloader, build_folder_dataset, build_train_transform, find_splits,
+                            read_mean_std, resize_size)
 from common.models import build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
@@ -69,6 +71,16 @@ def parse_args(argv=None):
     parser.add_argument("--num_workers", type=nonnegative_int, default=4, help="DataLoader workers per process (default: %(default)s)")
     parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
+    parser.add_argument("--class_weights", choices=["none", "balanced"], default="none",
+                        help="weigh each class's loss by n / (classes x its count) (default: %(default)s)")
+    parser.add_argument("--sampler", choices=["random", "balanced"], default="random",
+                        help="balanced: draw every class equally often, with replacement (default: %(default)s)")
+    parser.add_argument("--auto_augment", choices=["none", "trivialaugment", "randaugment"], default="none",
+                        help="a policy after crop, flips and rotation, in the workers (default: %(default)s)")
+    parser.add_argument("--random_erasing", type=probability, default=0.0,
+                        help="share of training images with a rectangle erased, on the device (default: %(default)s)")
+    parser.add_argument("--patience", type=positive_int, default=None,
+                        help="stop after N epochs without a better val accuracy (default: train every epoch)")
     add_common_args(parser)
     parser.set_defaults(output_dir="outputs/seedlings", epochs=20, batch_size=32, weight_decay=0.0,
                         label_smoothing=0.1, schedule="cosine", warmup_fraction=0.0, max_grad_norm=5.0)
@@ -98,21 +110,24 @@ def main(args):
                                     "args": args_to_dict(args)}  # into best/ and every checkpoint
     folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
                              cache_size=resize_size(args.image_size) if args.cache_images else None)
-    train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size))
+    train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment),
+                              seed=args.seed)
     eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]))
     for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
                            ("unreadable val images", eval_set.left_out)):
         if left_out:
             accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
     # drop_last: every training batch is full, so even (mixup) and the same size on every process
+    sampler = ClassBalancedSampler(train_set.labels, seed=args.seed) if args.sampler == "balanced" else None
     train_dataloader = build_file_dataloader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                             num_workers=args.num_workers)
+                                             num_workers=args.num_workers, sampler=sampler)
     eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, shuffle=False,
                                             num_workers=args.num_workers)
     if len(train_dataloader) == 0:
         raise UserError(f"{len(train_set)} training images make no full batch of --batch_size {args.batch_size}: "
                         "lower it")
-    normalise = partial(preprocess, mean=mean, std=std)
+    train_transform = partial(preprocess, mean=mean, std=std, erasing=args.random_erasing)  # on the device
+    eval_transform = partial(preprocess, mean=mean, std=std)
 
     # model and optimisation
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last)
@@ -135,7 +150,10 @@ def main(args):
     mixup = Mixup(mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, prob=args.mixup_prob,
                   switch_prob=args.mixup_switch_prob, label_smoothing=args.label_smoothing,
                   num_classes=len(classes)) if mixing else None
-    loss_fn = SoftTargetCrossEntropy() if mixing else torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    # cross entropy takes Mixup's soft targets as they are (smoothed by Mixup already) and the class weights
+    class_weights = (balanced_class_weights(train_set.labels, len(classes)).to(accelerator.device)
+                     if args.class_weights == "balanced" else None)
+    loss_fn = torch.nn.CrossEntropyLoss(weight=class_weights, label_smoothing=0.0 if mixing else args.label_smoothing)
 
     # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
     # --ema_decay: timm's average of the weights, prepared so that checkpoints hold it (model_1.safetensors)
@@ -143,7 +161,8 @@ def main(args):
                                                decay=args.ema_decay, use_warmup=True), evaluation_mode=True) if args.ema_decay else None
 
     run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
-                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
+                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+                      patience=args.patience)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
@@ -153,7 +172,7 @@ def main(args):
     for epoch in run.epochs(args.epochs):
         model.train()
         for batch in run.batches(train_dataloader):
-            images, labels = normalise(batch["image"]), batch["label"]
+            images, labels = train_transform(batch["image"]), batch["label"]
             images, targets = mixup(images, labels) if mixup else (images, labels)  # soft targets when mixed
             with accelerator.accumulate(model):
                 loss = loss_fn(model(images), targets)
@@ -167,8 +186,8 @@ def main(args):
                 if ema:
                     ema.update(model, step=run.step)
             run.record(loss, batch)  # totals; every few steps: nan watch, SIGTERM, checkpoint
-        evaluation = evaluate(model, eval_dataloader, accelerator, transform=normalise)
-        ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=normalise) if ema else None
+        evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform)
+        ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=eval_transform) if ema else None
         run.log_epoch(evaluation, ema_evaluation)
         run.save_best(model, evaluation)  # best/ when validation accuracy improved
         if ema:

@@ -128,6 +128,15 @@ def cifar_jpegs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def seedlings(tmp_path_factory):
+    """Real seedling photos (RGB PNGs, 48x48): 7 per class, 8 in the first, 85 in all, as root/<class>/<image>.
+    A copy of tests/fixtures/seedlings (made by tests/fixtures/make_fixtures.py) that tests may change."""
+    root = Path(shutil.copytree(FIXTURES / "seedlings", tmp_path_factory.mktemp("seedlings") / "plant-seedlings"))
+    assert len(list(root.iterdir())) == 12 and len(list(root.rglob("*.png"))) == 85
+    return root
+
+
+@pytest.fixture(scope="session")
 def fashion_subset(tmp_path_factory):
     """The first 2,001 training and 1,001 test images of the real Fashion-MNIST, as IDX files (gz and plain)."""
     require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")

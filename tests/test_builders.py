@@ -168,6 +168,42 @@ def test_preprocess_normalises():
     assert torch.allclose(out, torch.full_like(out, 2.0))
 
 
+def erased_boxes(out):
+    """Each sample's erased (== 0) pixels as (count, height, width of their bounding box), from channel 0."""
+    boxes = []
+    for mask in out[:, 0] == 0:
+        rows, cols = mask.any(1).nonzero(), mask.any(0).nonzero()
+        height = int(rows.max() - rows.min() + 1) if len(rows) else 0
+        width = int(cols.max() - cols.min() + 1) if len(cols) else 0
+        boxes.append((int(mask.sum()), height, width))
+    return boxes
+
+
+def test_cutout_erases_one_square_per_sample_at_the_mean_colour():
+    torch.manual_seed(0)
+    images = torch.full((256, 3, 32, 32), 200, dtype=torch.uint8)
+    out = preprocess(images, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), cutout=16)
+    assert ((out == 0) | out.isclose(torch.tensor((200 / 255 - 0.5) / 0.25))).all()  # erased: 0, the mean colour
+    assert torch.equal(out[:, 0] == 0, out[:, 2] == 0)  # all channels of a pixel
+    boxes = erased_boxes(out)
+    assert all(count == height * width and 0 < height <= 16 and 0 < width <= 16 for count, height, width in boxes)
+    assert sum(count == 256 for count, _, _ in boxes) > 50  # whole squares inside, clipped ones at the borders
+    assert len({out[i, 0].eq(0).nonzero()[0].tolist()[0] for i in range(256)}) > 10  # at different places
+
+
+def test_random_erasing_erases_a_rectangle_of_2_to_33_percent_in_a_share_of_the_samples():
+    torch.manual_seed(0)
+    images = torch.full((2000, 3, 32, 32), 200, dtype=torch.uint8)
+    boxes = erased_boxes(preprocess(images, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), erasing=0.25))
+    erased = [(count, height, width) for count, height, width in boxes if count]
+    assert 0.21 < len(erased) / len(boxes) < 0.29
+    assert all(count == height * width for count, height, width in erased)  # one whole rectangle, inside
+    areas = [count / 1024 for count, _, _ in erased]
+    assert min(areas) >= 0.015 and max(areas) <= 0.36 and 0.14 < sum(areas) / len(areas) < 0.21
+    assert any(height > 2 * width for _, height, width in erased)  # aspect ratios from 0.3 to 3.3
+    assert any(width > 2 * height for _, height, width in erased)
+
+
 # --- models --------------------------------------------------------------------------------------
 
 def test_resnet18_cifar_stem_keeps_resolution():

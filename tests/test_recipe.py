@@ -1,14 +1,16 @@
 """Recipes in the step-in-the-script design: a user's own edit of a copied script, and the recipe options
-(EMA of the weights, ...), each trained on 2 processes and resumed from the middle of an epoch exactly."""
+(EMA of the weights, class balance, augmentation, early stopping), each trained on 2 processes and, where a
+run can be resumed, resumed from the middle of an epoch exactly."""
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_two_processes_shared_the_data, launch
+from conftest import REPO, assert_two_processes_shared_the_data, launch, run_command
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +52,8 @@ def train_then_resume_mid_epoch(tmp_path, script, *args, epoch, weights=("model.
         assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-6) for k in ours), name
     ours, theirs = (torch.load(run / "checkpoints" / last / "optimizer.bin", weights_only=True)["state"]
                     for run in (resumed, reference))
-    assert all(torch.allclose(ours[i]["exp_avg"], theirs[i]["exp_avg"], atol=1e-7) for i in theirs)
+    assert ours.keys() == theirs.keys() and all(ours[i].keys() == theirs[i].keys() for i in theirs)
+    assert all(torch.allclose(ours[i][k].float(), theirs[i][k].float(), atol=1e-7) for i in theirs for k in theirs[i])
     for record, expected in zip(metrics(resumed), metrics(reference), strict=True):
         assert all(record[k] == pytest.approx(expected[k], rel=1e-6) for k in expected), (record, expected)
     return reference
@@ -91,3 +94,48 @@ def test_ema_is_evaluated_beside_the_model_checkpointed_and_resumed_exactly(tmp_
         for accuracy, weights in ((record["val_accuracy"], "model"), (record["ema_val_accuracy"], "ema")):
             best = (accuracy, weights) if accuracy > best[0] else best
     assert meta["weights"] == best[1] and meta["value"] == pytest.approx(best[0])
+
+
+def test_seedlings_with_class_weights_and_a_balanced_sampler_resume_mid_epoch_exactly(tmp_path, seedlings):
+    """The folder path too: Mixup on every batch, a class-balanced sampler, weighted loss, augmentation in a
+    DataLoader worker (seeded by seed, epoch and index), 2 processes, resumed inside epoch 2."""
+    reference = train_then_resume_mid_epoch(
+        tmp_path, REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18",
+        "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1, "--mixup_prob", 1.0,
+        "--class_weights", "balanced", "--sampler", "balanced", epoch=2)
+    for record in metrics(reference):  # drawn with replacement: some images twice, others not at all
+        assert record["train_samples_per_process"] == [28, 28] and record["train_unique_samples"] < 56
+
+
+def test_cifar_cutout_and_random_erasing_on_the_device_resume_mid_epoch_exactly(tmp_path, cifar_jpegs):
+    reference = train_then_resume_mid_epoch(tmp_path, REPO / "scripts" / "train_cifar.py", "--data_dir", cifar_jpegs,
+                                            "--epochs", 2, "--batch_size", 8, "--cutout", 16, "--random_erasing", 0.5,
+                                            epoch=2)
+    assert_two_processes_shared_the_data(metrics(reference), train_size=151, batch_size=8)
+    args = json.loads((reference / "best" / "meta.json").read_text())["args"]
+    assert (args["cutout"], args["random_erasing"]) == (16, 0.5)
+
+
+def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_best_and_a_report(tmp_path, seedlings):
+    output_dir = tmp_path / "run"
+    command = [REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18", "--image_size",
+               48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment", "trivialaugment",
+               "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir]
+    result = launch(*command)
+    assert result.returncode == 0, result.output
+    records = metrics(output_dir)
+    accuracies = [record["val_accuracy"] for record in records]
+    best_epoch = accuracies.index(max(accuracies)) + 1  # the first epoch with the best accuracy
+    assert len(records) == best_epoch + 2 < 8, accuracies  # two epochs without a better one, then the end
+    assert (f"early stop after epoch {len(records)}: val accuracy has not improved for 2 epoch(s) (--patience); "
+            f"best/ holds epoch {best_epoch}") in result.output
+    meta = json.loads((output_dir / "best" / "meta.json").read_text())
+    assert meta["epoch"] == best_epoch and meta["value"] == pytest.approx(max(accuracies))
+    report = json.loads((output_dir / "classification_report.json").read_text())
+    assert report["accuracy"] == pytest.approx(accuracies[-1])  # the last epoch's evaluation
+    # the run is over: resuming it is refused (one process, so that no launcher prints around it), nothing is lost
+    again = run_command([sys.executable, *command, "--resume", "latest"])
+    assert again.returncode == 2 and "Traceback" not in again.output, again.output
+    assert (f"is the end of a run stopped early: val accuracy did not improve for 2 epoch(s) after epoch "
+            f"{best_epoch} (--patience 2)") in again.output, again.output
+    assert metrics(output_dir) == records and (output_dir / "best" / "model.safetensors").exists()

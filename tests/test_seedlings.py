@@ -2,7 +2,6 @@
 
 import csv
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,18 +18,9 @@ from safetensors.torch import save_file
 from common.errors import UserError
 from common.folders import check_images, find_splits, list_image_folder, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
+from conftest import REPO, launch, launch_command, run_command, script
 
 SCRIPTS = REPO / "scripts"
-
-
-@pytest.fixture(scope="session")
-def seedlings(tmp_path_factory):
-    """Real seedling photos (RGB PNGs, 48x48): 7 per class, 8 in the first, 85 in all, as root/<class>/<image>.
-    A copy of tests/fixtures/seedlings (made by tests/fixtures/make_fixtures.py) that tests may change."""
-    root = Path(shutil.copytree(FIXTURES / "seedlings", tmp_path_factory.mktemp("seedlings") / "plant-seedlings"))
-    assert len(list(root.iterdir())) == 12 and len(list(root.rglob("*.png"))) == 85
-    return root
 
 
 def test_split_is_stratified_deterministic_and_loses_nothing(seedlings):
@@ -195,3 +185,38 @@ def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
                      "--data_dir", seedlings)
     assert resumed.returncode == 0, resumed.output
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_class_balanced_sampler_and_weights():
+    from common.folders import ClassBalancedSampler, balanced_class_weights
+
+    labels = [0] * 90 + [1] * 10
+    sampler = ClassBalancedSampler(labels, seed=42)
+    sampler.set_epoch(1)
+    first = list(sampler)
+    assert first == list(sampler) and len(first) == 100  # a function of (seed, epoch): every process agrees
+    sampler.set_epoch(2)
+    assert list(sampler) != first
+    drawn = [labels[i] for epoch in range(20) for i in (sampler.set_epoch(epoch) or sampler)]
+    assert 0.45 < sum(drawn) / len(drawn) < 0.55  # the 10% class is drawn half of the time
+    assert balanced_class_weights(labels, 2).tolist() == pytest.approx([100 / 180, 100 / 20])
+
+
+def test_folder_augmentation_is_a_function_of_seed_epoch_and_index(seedlings):
+    from common.folders import ImageFileDataset, build_train_transform, list_image_folder
+
+    files, labels, classes, _ = list_image_folder(seedlings)
+    dataset = ImageFileDataset(files[:4], labels[:4], classes, transform=build_train_transform(32), seed=42)
+    state = torch.get_rng_state()
+    dataset.set_epoch(3)
+    first = [dataset[i]["image"] for i in (0, 1, 2, 3)]
+    again = [dataset[i]["image"] for i in (3, 2, 1, 0)][::-1]  # another order, as other workers would ask
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert torch.equal(torch.get_rng_state(), state)  # the training process's random stream did not move
+    dataset.set_epoch(4)
+    assert not all(torch.equal(a, dataset[i]["image"]) for i, a in enumerate(first))
+    for policy in ("trivialaugment", "randaugment"):  # the same crops and flips, then the policy's operations
+        dataset.transform, _ = build_train_transform(32, policy), dataset.set_epoch(3)
+        augmented = [dataset[i]["image"] for i in (0, 1, 2, 3)]
+        assert all(image.shape == (3, 32, 32) and image.dtype == torch.uint8 for image in augmented)
+        assert not all(torch.equal(a, b) for a, b in zip(first, augmented)), policy
