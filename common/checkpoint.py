@@ -6,7 +6,6 @@ totals), the LR schedule, the model description and the run's arguments. Nothing
 except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for all of it.
 """
 
-import csv
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from .errors import UserError
 from .outputs import PREVIOUS_RUN, RUN_FILES, remove_previous_run, write_atomically
 from .models import build_model
+from .reporting import write_predictions
 
 
 def _fsync(path):
@@ -65,21 +65,22 @@ def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
     save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
               tmp / "model.safetensors")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    classes = meta["class_names"]
-    with open(tmp / "val_predictions.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["index", "label", "prediction", "probability"])
-        for i, (label, probabilities) in enumerate(zip(evaluation["labels"], evaluation["probabilities"])):
-            writer.writerow([i, classes[label], classes[probabilities.argmax()], f"{probabilities.max():.6f}"])
+    write_predictions(tmp / "val_predictions.csv", evaluation, class_names=meta["class_names"])
     _publish(tmp, best)
 
 
 def load_best_model(model_dir):
-    """(model in eval mode, meta) from a best/ folder; every way it can be wrong is a UserError."""
+    """(model in eval mode, meta) from a best/ folder, a run's output folder (its best/) or a checkpoint (its
+    trainer_state.json describes the model as meta.json does); every way it can be wrong is a UserError."""
     model_dir = Path(model_dir)
+    if not (model_dir / "meta.json").exists() and (model_dir / "best" / "meta.json").is_file():
+        model_dir = model_dir / "best"
     meta_path, weights_path = model_dir / "meta.json", model_dir / "model.safetensors"
+    if not meta_path.is_file() and (model_dir / "trainer_state.json").is_file():
+        meta_path = model_dir / "trainer_state.json"
     if not meta_path.is_file():
-        raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote")
+        raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote (or the run's folder, "
+                        "or one of its checkpoints)")
     meta, problem = _read_json(meta_path, check=_check_meta)
     if problem:
         raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "

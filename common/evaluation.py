@@ -7,25 +7,28 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 @torch.inference_mode()
-def evaluate(model, eval_dataloader, accelerator, *, transform):
+def evaluate(model, eval_dataloader, accelerator, *, transform, tta=False):
     """Evaluate on every rank; `gather_for_metrics` per batch counts each sample exactly once.
 
-    Returns loss (plain cross entropy), accuracy, samples, and the gathered predictions,
-    probabilities and labels (numpy, in dataset order for an unshuffled loader).
+    Returns loss (plain cross entropy), accuracy, samples, and the gathered predictions, probabilities,
+    labels and sample indices (numpy, in dataset order for an unshuffled loader). `tta`: the probabilities
+    are the average of the image's and its horizontal mirror's.
     """
     model.eval()
     _as_on_the_main_process(model, accelerator)
-    losses, probabilities, labels = [], [], []
+    losses, probabilities, labels, indices = [], [], [], []
     for batch in eval_dataloader:
-        logits = model(transform(batch["image"])).float()
-        loss = F.cross_entropy(logits, batch["label"], reduction="none")
+        images = transform(batch["image"])
+        probs = model(images).float().softmax(1)
+        if tta:
+            probs = (probs + model(images.flip(3)).float().softmax(1)) / 2
+        loss = F.nll_loss(probs.clamp_min(1e-12).log(), batch["label"], reduction="none")
         # gather per batch: gather_for_metrics drops the duplicated padding samples, which exist only
         # in the last batch, and only knows to do so while iterating that batch
-        loss, probs, label = accelerator.gather_for_metrics((loss, logits.softmax(1), batch["label"]))
-        losses.append(loss.cpu())
-        probabilities.append(probs.cpu())
-        labels.append(label.cpu())
-    losses, probabilities, labels = torch.cat(losses), torch.cat(probabilities), torch.cat(labels)
+        gathered = accelerator.gather_for_metrics((loss, probs, batch["label"], batch["index"]))
+        for kept, tensor in zip((losses, probabilities, labels, indices), gathered):
+            kept.append(tensor.cpu())
+    losses, probabilities, labels, indices = map(torch.cat, (losses, probabilities, labels, indices))
     predictions = probabilities.argmax(1)
     from sklearn.metrics import f1_score  # imported here: a run needs scikit-learn only once it evaluates
 
@@ -38,6 +41,7 @@ def evaluate(model, eval_dataloader, accelerator, *, transform):
         "predictions": predictions.numpy(),
         "probabilities": probabilities.numpy(),
         "labels": labels.numpy(),
+        "indices": indices.numpy(),
     }
 
 

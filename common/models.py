@@ -27,19 +27,20 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False):
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def describe_model(architecture, *, class_names, image_size, mean, std, resize_size=None):
+def describe_model(architecture, *, class_names, image_size, mean, std, resize_size=None, dataset=None):
     """What every checkpoint and best/meta.json says of a model: how to build it (`build_model` arguments),
     its classes, and its evaluation preprocessing, so that predict.py and evaluation redo it exactly.
 
     `eval_transform` is {"resize": [H, W]} (resize to the model's image size: the in-memory datasets, decoded
     at that size) or, with `resize_size`, {"resize": S, "center_crop": [H, W]} (shorter side to S, then the
     center: the folder datasets); common.folders.build_eval_transform builds it. One channel per mean value.
+    `dataset` (cifar10, mnist, fashion_mnist, digits or folder) is the layout scripts/evaluate.py reads by default.
     """
     image_size = list(image_size)
     return {"architecture": architecture, "model_kwargs": {"num_classes": len(class_names), "in_chans": len(mean)},
             "class_names": list(class_names), "image_size": image_size,
             "eval_transform": {"resize": resize_size, "center_crop": image_size} if resize_size else {"resize": image_size},
-            "mean": list(mean), "std": list(std)}
+            "mean": list(mean), "std": list(std), "dataset": dataset}
 
 
 def load_pretrained(model, name, source):

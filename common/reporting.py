@@ -1,5 +1,6 @@
 """What a run writes: metrics.jsonl, the per-epoch summary line, trackers, the classification report, plots."""
 
+import csv
 import json
 from pathlib import Path
 
@@ -47,8 +48,21 @@ def read_metrics(output_dir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def write_reports(output_dir, *, labels, predictions, class_names):
-    """classification_report.txt/.json, confusion_matrix.png and curves.png; returns the text report."""
+def write_predictions(path, evaluation, *, class_names, files=None):
+    """One row per evaluated image (common.evaluation.evaluate): index in the dataset, the image file when
+    there are files, its label, the predicted class and its probability."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["index", *(["file"] if files else []), "label", "prediction", "probability"])
+        for index, label, probabilities in zip(evaluation["indices"], evaluation["labels"],
+                                               evaluation["probabilities"]):
+            writer.writerow([index, *([files[index]] if files else []), class_names[label],
+                             class_names[probabilities.argmax()], f"{probabilities.max():.6f}"])
+
+
+def write_reports(output_dir, *, labels, predictions, class_names, curves=True):
+    """classification_report.txt/.json, confusion_matrix.png and (with `curves`, from metrics.jsonl)
+    curves.png; returns the text report."""
     from sklearn.metrics import classification_report, confusion_matrix
 
     output_dir = Path(output_dir)
@@ -60,7 +74,8 @@ def write_reports(output_dir, *, labels, predictions, class_names):
     (output_dir / "classification_report.json").write_text(json.dumps(report, indent=2))
     plot_confusion_matrix(output_dir / "confusion_matrix.png",
                           confusion_matrix(labels, predictions, labels=label_ids), class_names)
-    plot_curves(output_dir / "curves.png", read_metrics(output_dir))
+    if curves:
+        plot_curves(output_dir / "curves.png", read_metrics(output_dir))
     return text
 
 

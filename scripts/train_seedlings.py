@@ -106,7 +106,7 @@ def main(args):
     train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
                                                            seed=args.seed)
     model_info = describe_model(args.model, class_names=classes, image_size=(args.image_size, args.image_size),
-                                mean=mean, std=std, resize_size=resize_size(args.image_size)) | {
+                                mean=mean, std=std, resize_size=resize_size(args.image_size), dataset="folder") | {
                                     "args": args_to_dict(args)}  # into best/ and every checkpoint
     folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
                              cache_size=resize_size(args.image_size) if args.cache_images else None)

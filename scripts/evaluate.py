@@ -1,0 +1,150 @@
+"""Score a trained model on a labelled dataset, on any number of processes, each image counted once.
+
+The model: a best/ folder, a run's output folder (its best/), or a checkpoint. The data: any layout the
+training scripts read, the one the model was trained on unless --dataset says otherwise:
+  cifar10        CIFAR-10 python batches, their .tar.gz, a train/ + test/ (or val/) folder tree, or hf:NAME
+  mnist, fashion_mnist   IDX files;  digits   scikit-learn's digits (no --data_dir)
+  folder         DIR/<class>/<image>, or DIR/<split>/<class>/<image>
+--split (default test) picks the split of the first three; for folder, DIR/<split> when DIR has one.
+Classes are matched by name: the dataset may hold fewer classes than the model, never others.
+Preprocessing is the training run's evaluation (meta.json's eval_transform, mean, std).
+
+Writes to --output_dir: classification_report.txt/.json, confusion_matrix.png, predictions.csv (one row per
+image: index, file for folder datasets, label, prediction, probability), and prints accuracy and macro-F1.
+
+    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/evaluate.py \\
+        --model_dir outputs/cifar/best --data_dir data --output_dir outputs/cifar/test
+    python scripts/evaluate.py --model_dir outputs/seedlings --data_dir my_test_photos --tta flip
+"""
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.checkpoint import load_best_model  # noqa: E402
+from common.data import (InMemoryDataset, build_cifar10, build_dataloader, build_digits, build_mnist,  # noqa: E402
+                         preprocess)
+from common.distributed import build_accelerator  # noqa: E402
+from common.errors import UserError, run_main  # noqa: E402
+from common.evaluation import evaluate  # noqa: E402
+from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
+from common.folders import (ImageFileDataset, build_eval_transform, build_file_dataloader,  # noqa: E402
+                            check_images, list_image_folder)
+from common.outputs import check_not_inside  # noqa: E402
+from common.reporting import write_predictions, write_reports  # noqa: E402
+
+DATASETS = ("cifar10", "mnist", "fashion_mnist", "digits", "folder")
+OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion_matrix.png", "predictions.csv")
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model_dir", required=True, help="best/, a run's output folder, or a checkpoint")
+    parser.add_argument("--data_dir", default=None, help="the labelled data (see above)")
+    parser.add_argument("--dataset", choices=DATASETS, default=None,
+                        help="its layout (default: the one the model was trained on, from meta.json)")
+    parser.add_argument("--split", default="test", help="test, train, or a folder's split name (default: %(default)s)")
+    parser.add_argument("--output_dir", default=None, help="where the reports go (default: MODEL_DIR/../evaluation)")
+    parser.add_argument("--overwrite", action="store_true", help="replace reports that are there already")
+    parser.add_argument("--tta", choices=["none", "flip"], default="none",
+                        help="flip: average with the horizontally mirrored image (default: %(default)s)")
+    parser.add_argument("--batch_size", type=positive_int, default=256, help="per process (default: %(default)s)")
+    parser.add_argument("--num_workers", type=nonnegative_int, default=4,
+                        help="DataLoader workers per process, folder datasets (default: %(default)s)")
+    parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                        help="overrides the accelerate config")
+    return parser.parse_args(argv)
+
+
+def build_dataset(kind, data_dir, split, *, meta, skip_bad_images):
+    """(dataset, files or None) of the split, in the layout `kind`; items are dicts with image, label, index."""
+    if kind != "digits" and data_dir is None:
+        raise UserError(f"--data_dir is needed for a {kind} dataset")
+    if kind == "folder":
+        root = Path(data_dir) / split if (Path(data_dir) / split).is_dir() else Path(data_dir)
+        files, labels, classes, _ = list_image_folder(root)
+        good, bad, _ = check_images(files, skip_bad_images=skip_bad_images)
+        if bad:
+            print(f"warning: left out {len(bad)} unreadable images, e.g. {bad[0][0]}", file=sys.stderr)
+        files, labels = [files[i] for i in good], [labels[i] for i in good]
+        return ImageFileDataset(files, labels, classes, transform=build_eval_transform(meta["eval_transform"])), files
+    if split not in ("train", "test"):
+        raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
+    if kind == "cifar10":
+        train, test = build_cifar10(data_dir)
+    elif kind == "digits":
+        train, test = build_digits()
+    else:
+        train, test = build_mnist(data_dir, name=kind)
+    return (train if split == "train" else test), None
+
+
+def in_model_classes(dataset, class_names, where):
+    """The dataset with its labels renumbered as the model's classes; one with a class the model does not
+    know is refused, naming it."""
+    unknown = [name for name in dataset.classes if name not in class_names]
+    if unknown:
+        raise UserError(f"{where} has classes the model does not know: {', '.join(unknown)}. The model's classes "
+                        f"are {', '.join(class_names)}; leave the others out, or evaluate a model trained on them.")
+    to_model = torch.tensor([class_names.index(name) for name in dataset.classes])
+    if isinstance(dataset, InMemoryDataset):
+        return InMemoryDataset(dataset.images, to_model[dataset.labels], class_names)
+    return ImageFileDataset(dataset.files, to_model[dataset.labels].tolist(), class_names, transform=dataset.transform)
+
+
+def check_output_dir(args):
+    """--output_dir, by default the run's folder/evaluation; checked before any work, created if missing."""
+    model_dir = Path(args.model_dir).resolve()
+    run_dir = model_dir if (model_dir / "best").is_dir() else model_dir.parent
+    output_dir = Path(args.output_dir or (run_dir.parent if run_dir.name == "checkpoints" else run_dir) / "evaluation")
+    check_not_inside(output_dir, [args.data_dir] if args.data_dir else [], flag="--output_dir")
+    earlier = [name for name in OUTPUTS if (output_dir / name).exists()]
+    if earlier and not args.overwrite:
+        raise UserError(f"{output_dir} already holds an evaluation ({', '.join(earlier)}): pass --overwrite to replace "
+                        "it, or choose another --output_dir")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create --output_dir {output_dir} ({error.strerror})") from None
+    return output_dir
+
+
+def main(args):
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision)
+    model, meta = load_best_model(args.model_dir)
+    kind = args.dataset or meta.get("dataset")
+    if kind is None:
+        raise UserError(f"{args.model_dir} does not say which dataset layout it was trained on (written before "
+                        f"evaluate.py existed): pass --dataset ({', '.join(DATASETS)})")
+    output_dir = check_output_dir(args)
+    dataset, files = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images)
+    dataset = in_model_classes(dataset, meta["class_names"], args.data_dir or kind)
+    if isinstance(dataset, InMemoryDataset):
+        if list(dataset.image_size) != list(meta["image_size"]):
+            raise UserError(f"{args.data_dir or kind} holds {dataset.image_size} images, the model takes "
+                            f"{meta['image_size']}: pass the dataset it was trained on, or --dataset folder")
+        dataloader = build_dataloader(dataset, batch_size=args.batch_size, shuffle=False)
+    else:
+        dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
+                                           num_workers=args.num_workers)
+    model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
+    evaluation = evaluate(model, dataloader, accelerator, transform=partial(preprocess, mean=meta["mean"],
+                                                                             std=meta["std"]), tta=args.tta == "flip")
+    if accelerator.is_main_process:
+        report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
+                               class_names=meta["class_names"], curves=False)
+        write_predictions(output_dir / "predictions.csv", evaluation, class_names=meta["class_names"], files=files)
+        print(f"classification report ({evaluation['samples']} images):\n{report}")
+    accelerator.print(f"{args.data_dir or kind} ({kind}, {args.split}): {evaluation['samples']} images, accuracy "
+                      f"{100 * evaluation['accuracy']:.2f}%, macro-F1 {evaluation['macro_f1']:.4f}"
+                      f"{', flip TTA' if args.tta == 'flip' else ''}; reports in {output_dir}")
+    accelerator.wait_for_everyone()
+    return evaluation
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())

@@ -1,0 +1,114 @@
+"""scripts/evaluate.py: a trained model scored on a labelled dataset, on 1 and 2 processes."""
+
+import csv
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from common.data import build_digits, preprocess
+from common.models import build_model, describe_model
+from conftest import REPO, launch, script
+
+pytestmark = pytest.mark.slow
+SEEDLING_MEAN, SEEDLING_STD = (0.33, 0.29, 0.21), (0.14, 0.14, 0.16)
+
+
+def rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+def write_model(folder, architecture, *, dataset, **description):
+    """A best/ folder as a training run writes it, with the weights of a fresh (seeded) model."""
+    torch.manual_seed(0)
+    meta = describe_model(architecture, dataset=dataset, **description)
+    model = build_model(architecture, **meta["model_kwargs"])
+    folder.mkdir(parents=True)
+    save_file(model.state_dict(), folder / "model.safetensors")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("digits") / "run"
+    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 3, "--output_dir", output_dir)
+    assert result.returncode == 0, result.output
+    return output_dir
+
+
+def test_two_processes_count_every_image_once_as_one_process_does(tmp_path, cifar_jpegs):
+    """101 test images, batches of 8: the last batch of each process is short, and Accelerate pads one."""
+    best = write_model(tmp_path / "run" / "best", "resnet18_cifar", dataset="cifar10",
+                       class_names=sorted(p.name for p in (cifar_jpegs / "train").iterdir()), image_size=(32, 32),
+                       mean=(0.49, 0.48, 0.45), std=(0.25, 0.24, 0.26))
+    one = script("evaluate.py", "--model_dir", best, "--data_dir", cifar_jpegs, "--batch_size", 8,
+                 "--output_dir", tmp_path / "one")
+    assert one.returncode == 0, one.output
+    two = launch(REPO / "scripts" / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir", cifar_jpegs,
+                 "--batch_size", 8)
+    assert two.returncode == 0, two.output
+    ours, theirs = rows(tmp_path / "run" / "evaluation" / "predictions.csv"), rows(tmp_path / "one" / "predictions.csv")
+    assert [int(row["index"]) for row in ours] == list(range(101))  # each image once, in dataset order
+    assert [(r["label"], r["prediction"]) for r in ours] == [(r["label"], r["prediction"]) for r in theirs]
+    assert np.allclose([float(r["probability"]) for r in ours], [float(r["probability"]) for r in theirs], atol=1e-5)
+    report = json.loads((tmp_path / "run" / "evaluation" / "classification_report.json").read_text())
+    assert report["macro avg"]["support"] == 101
+    assert report == json.loads((tmp_path / "one" / "classification_report.json").read_text())
+    assert (tmp_path / "run" / "evaluation" / "confusion_matrix.png").stat().st_size > 0
+    accuracy = np.mean([r["label"] == r["prediction"] for r in ours])
+    assert f"101 images, accuracy {100 * accuracy:.2f}%" in two.output
+    # a second evaluation into the same folder asks for --overwrite, and changes nothing
+    again = script("evaluate.py", "--model_dir", best, "--data_dir", cifar_jpegs, "--output_dir", tmp_path / "one")
+    assert again.returncode == 2 and "already holds an evaluation" in again.output and "Traceback" not in again.output
+    assert rows(tmp_path / "one" / "predictions.csv") == theirs
+
+
+def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(digits_run, tmp_path):
+    plain = script("evaluate.py", "--model_dir", digits_run / "best", "--output_dir", tmp_path / "plain")
+    assert plain.returncode == 0, plain.output
+    meta = json.loads((digits_run / "best" / "meta.json").read_text())
+    ours = rows(tmp_path / "plain" / "predictions.csv")
+    expected = rows(digits_run / "best" / "val_predictions.csv")  # the training run's evaluation of that epoch
+    assert [(r["label"], r["prediction"]) for r in ours] == [(r["label"], r["prediction"]) for r in expected]
+    assert f"accuracy {100 * meta['value']:.2f}%" in plain.output
+
+    flipped = script("evaluate.py", "--model_dir", digits_run / "best", "--output_dir", tmp_path / "tta",
+                     "--tta", "flip")
+    assert flipped.returncode == 0, flipped.output
+    from common.checkpoint import load_best_model
+
+    model, _ = load_best_model(digits_run / "best")
+    images = preprocess(build_digits()[1].images, mean=meta["mean"], std=meta["std"])
+    with torch.no_grad():
+        probabilities = (model(images).softmax(1) + model(images.flip(3)).softmax(1)) / 2
+    tta = rows(tmp_path / "tta" / "predictions.csv")
+    assert [int(r["prediction"]) for r in tta] == probabilities.argmax(1).tolist()
+    assert np.allclose([float(r["probability"]) for r in tta], probabilities.max(1).values.numpy(), atol=1e-5)
+    assert [r["prediction"] for r in tta] != [r["prediction"] for r in ours]  # the mirror changed some
+
+
+def test_a_folder_with_fewer_classes_is_matched_by_name_and_an_unknown_class_is_refused(tmp_path, seedlings):
+    classes = sorted(p.name for p in seedlings.iterdir())
+    best = write_model(tmp_path / "best", "resnet18", dataset="folder", class_names=classes, image_size=(48, 48),
+                       mean=SEEDLING_MEAN, std=SEEDLING_STD, resize_size=55)
+    subset = tmp_path / "test"
+    for name in (classes[3], classes[7]):  # labels 0 and 1 of the subset, 3 and 7 of the model
+        shutil.copytree(seedlings / name, subset / name)
+    result = script("evaluate.py", "--model_dir", best, "--data_dir", subset, "--output_dir", tmp_path / "out",
+                    "--num_workers", 0)
+    assert result.returncode == 0, result.output
+    written = rows(tmp_path / "out" / "predictions.csv")
+    assert [(r["file"].split("/")[-2], r["label"]) for r in written] == [(r["label"], r["label"]) for r in written]
+    assert {r["label"] for r in written} == {classes[3], classes[7]} and len(written) == 14
+    report = json.loads((tmp_path / "out" / "classification_report.json").read_text())
+    assert report[classes[3]]["support"] == 7 and report[classes[0]]["support"] == 0
+
+    shutil.copytree(seedlings / classes[0], subset / "Dandelion")
+    refused = script("evaluate.py", "--model_dir", best, "--data_dir", subset, "--output_dir", tmp_path / "out2")
+    assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
+    assert f"{subset} has classes the model does not know: Dandelion" in refused.output
+    assert not (tmp_path / "out2" / "predictions.csv").exists()
