@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .errors import UserError
-from .folders import convert_image, list_image_folder, read_image
+from .folders import convert_image, list_image_folder, read_image, split_dataset
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -54,6 +54,13 @@ class InMemoryDataset(torch.utils.data.Dataset):
         # one gather for the whole batch; the DataLoader calls this instead of __getitem__ per sample
         index = torch.as_tensor(indices, dtype=torch.long)
         return {"image": self.images[index], "label": self.labels[index], "index": index}
+
+
+def hold_out(dataset, *, fraction, seed):
+    """(train, validation) InMemoryDatasets: a stratified share `fraction` of `dataset` set aside to choose
+    the best epoch on (--val_fraction), the same on every process and every run of that seed."""
+    train, val = split_dataset(dataset.labels.tolist(), val_fraction=fraction, seed=seed, classes=dataset.classes)
+    return tuple(InMemoryDataset(dataset.images[part], dataset.labels[part], dataset.classes) for part in (train, val))
 
 
 def _batch_is_ready(batch):

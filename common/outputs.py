@@ -18,7 +18,8 @@ from .errors import UserError
 
 # a folder holding one of these holds a run; the others are written by a run too, and go aside with it
 RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
-RUN_OUTPUTS = (*RUN_FILES, "classification_report.txt", "confusion_matrix.png", "curves.png", "logs",
+RUN_OUTPUTS = (*RUN_FILES, "classification_report.txt", "confusion_matrix.png", "curves.png", "logs", "test",
+               "evaluation",
                ".best.tmp", ".best.old")
 PREVIOUS_RUN = "previous_run"
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .checkpoint import drop_later_checkpoints, load_checkpoint, save_best_model, save_checkpoint
@@ -223,6 +224,13 @@ class TrainingRun:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
                                    "Run the same command with --resume latest to continue.")
             raise Interrupted(path)
+
+    def load_best(self, model):
+        """The prepared `model` with best/'s weights, on every process: to score a test set with at the end."""
+        self.accelerator.wait_for_everyone()
+        weights = load_file(self.output_dir / "best" / "model.safetensors")  # load_state_dict copies to the device
+        self.accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(weights)
+        return model
 
     def finish(self, evaluation):
         """The final reports from the last evaluation (main process), then close the trackers."""

@@ -29,12 +29,11 @@ from common.data import (InMemoryDataset, build_cifar10, build_dataloader, build
                          preprocess)
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.evaluation import evaluate  # noqa: E402
+from common.evaluation import score  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import (ImageFileDataset, build_eval_transform, build_file_dataloader,  # noqa: E402
                             check_images, list_image_folder)
 from common.outputs import check_not_inside  # noqa: E402
-from common.reporting import write_predictions, write_reports  # noqa: E402
 
 DATASETS = ("cifar10", "mnist", "fashion_mnist", "digits", "folder")
 OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion_matrix.png", "predictions.csv")
@@ -76,8 +75,8 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images):
         raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
     if kind == "cifar10":
         train, test = build_cifar10(data_dir)
-    elif kind == "digits":
-        train, test = build_digits()
+    elif kind == "digits":  # split by the training run's seed
+        train, test = build_digits(seed=meta.get("args", {}).get("seed", 42))
     else:
         train, test = build_mnist(data_dir, name=kind)
     return (train if split == "train" else test), None
@@ -132,18 +131,9 @@ def main(args):
         dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
                                            num_workers=args.num_workers)
     model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
-    evaluation = evaluate(model, dataloader, accelerator, transform=partial(preprocess, mean=meta["mean"],
-                                                                             std=meta["std"]), tta=args.tta == "flip")
-    if accelerator.is_main_process:
-        report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
-                               class_names=meta["class_names"], curves=False)
-        write_predictions(output_dir / "predictions.csv", evaluation, class_names=meta["class_names"], files=files)
-        print(f"classification report ({evaluation['samples']} images):\n{report}")
-    accelerator.print(f"{args.data_dir or kind} ({kind}, {args.split}): {evaluation['samples']} images, accuracy "
-                      f"{100 * evaluation['accuracy']:.2f}%, macro-F1 {evaluation['macro_f1']:.4f}"
-                      f"{', flip TTA' if args.tta == 'flip' else ''}; reports in {output_dir}")
-    accelerator.wait_for_everyone()
-    return evaluation
+    return score(model, dataloader, accelerator, transform=partial(preprocess, mean=meta["mean"], std=meta["std"]),
+                 output_dir=output_dir, class_names=meta["class_names"], files=files, tta=args.tta == "flip",
+                 name=f"{args.data_dir or kind} ({kind}, {args.split})")
 
 
 if __name__ == "__main__":

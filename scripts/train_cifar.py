@@ -30,10 +30,10 @@ from accelerate.utils import set_seed
 from timm.utils import ModelEmaV3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, preprocess  # noqa: E402
+from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
-from common.evaluation import evaluate  # noqa: E402
+from common.evaluation import evaluate, score  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability, resolve_args  # noqa: E402
 from common.models import build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
@@ -54,6 +54,9 @@ def parse_args(argv=None):
     parser.add_argument("--random_erasing", type=probability, default=0.0,
                         help="share of training images with a random rectangle erased, on the device "
                              "(default: %(default)s)")
+    parser.add_argument("--val_fraction", type=number(float, min=0, max=1, max_open=True), default=0.0,
+                        help="choose best/ on this stratified share of the training set and score the test set once, "
+                             "at the end, with best/ (default: 0, the standard protocol: best/ chosen on the test set)")
     add_common_args(parser)
     parser.set_defaults(output_dir="outputs/cifar", epochs=30, batch_size=128, weight_decay=5e-4,
                         label_smoothing=0.1, schedule="onecycle")
@@ -70,9 +73,13 @@ def main(args):
     set_seed(args.seed)
 
     # data: uint8 tensors in memory; crop, flip, Cutout/erasing and normalise happen on the device
-    train_set, eval_set = build_cifar10(args.data_dir, download=args.download)
+    train_set, test_set = build_cifar10(args.data_dir, download=args.download)
+    # --val_fraction: best/ is chosen on a held-out share of the training set, the test set is scored at the end
+    train_set, eval_set = (hold_out(train_set, fraction=args.val_fraction, seed=args.seed) if args.val_fraction
+                           else (train_set, test_set))
     train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
+    test_dataloader = build_dataloader(test_set, batch_size=args.batch_size, shuffle=False) if args.val_fraction else None
     train_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True,
                               cutout=args.cutout, erasing=args.random_erasing)
     eval_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD)
@@ -86,8 +93,8 @@ def main(args):
     lr, lr_rule = scale_lr(args.lr, base_lr=0.1, base_batch=128, global_batch=global_batch, rule="linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader)
+    model, optimizer, train_dataloader, eval_dataloader, test_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, test_dataloader)
     total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
@@ -102,8 +109,9 @@ def main(args):
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_cifar", config=args_to_dict(args))
-    accelerator.print(f"CIFAR-10: {len(train_set)} train / {len(eval_set)} test images, {total_steps} optimizer "
-                      f"steps, {lr_rule}; "
+    accelerator.print(f"CIFAR-10: {len(train_set)} train / {len(eval_set)} {'validation' if test_dataloader else 'test'} "
+                      f"images{f' / {len(test_set)} test' if test_dataloader else ''}, {total_steps} optimizer steps, "
+                      f"{lr_rule}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs):
@@ -129,6 +137,9 @@ def main(args):
         if ema:
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
+    if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
+        score(run.load_best(model), test_dataloader, accelerator, transform=eval_transform,
+              output_dir=output_dir / "test", class_names=train_set.classes)
     run.finish(evaluation)
 
 

@@ -31,11 +31,11 @@ from accelerate.utils import set_seed
 from timm.utils import ModelEmaV3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.data import build_dataloader, build_digits, build_mnist, preprocess  # noqa: E402
+from common.data import build_dataloader, build_digits, build_mnist, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
-from common.evaluation import evaluate  # noqa: E402
-from common.flags import ArgumentParser, add_common_args, args_to_dict, resolve_args  # noqa: E402
+from common.evaluation import evaluate, score  # noqa: E402
+from common.flags import ArgumentParser, add_common_args, args_to_dict, number, resolve_args  # noqa: E402
 from common.models import build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
@@ -47,6 +47,9 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=["mnist", "fashion_mnist", "digits"], default="mnist",
                         help="digits is scikit-learn's bundled set: no download, no --data_dir (default: %(default)s)")
+    parser.add_argument("--val_fraction", type=number(float, min=0, max=1, max_open=True), default=0.0,
+                        help="choose best/ on this stratified share of the training set and score the test set once, "
+                             "at the end, with best/ (default: 0, the standard protocol: best/ chosen on the test set)")
     add_common_args(parser)
     parser.set_defaults(output_dir="outputs/mnist", epochs=2, batch_size=64, weight_decay=1e-4,
                         label_smoothing=0.05, schedule="onecycle")
@@ -64,11 +67,15 @@ def main(args):
 
     # data: uint8 tensors in memory; the model's "rescale" is preprocess with mean 0, std 1
     if args.dataset == "digits":
-        train_set, eval_set = build_digits(seed=args.seed)
+        train_set, test_set = build_digits(seed=args.seed)
     else:
-        train_set, eval_set = build_mnist(args.data_dir, name=args.dataset, download=args.download)
+        train_set, test_set = build_mnist(args.data_dir, name=args.dataset, download=args.download)
+    # --val_fraction: best/ is chosen on a held-out share of the training set, the test set is scored at the end
+    train_set, eval_set = (hold_out(train_set, fraction=args.val_fraction, seed=args.seed) if args.val_fraction
+                           else (train_set, test_set))
     train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
+    test_dataloader = build_dataloader(test_set, batch_size=args.batch_size, shuffle=False) if args.val_fraction else None
     transform = partial(preprocess, mean=(0.0,), std=(1.0,))  # the model's Keras "rescale"
 
     # model and optimisation
@@ -80,8 +87,8 @@ def main(args):
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=1e-2, base_batch=64, global_batch=global_batch, rule="sqrt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader)
+    model, optimizer, train_dataloader, eval_dataloader, test_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, test_dataloader)
     total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
@@ -96,8 +103,9 @@ def main(args):
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_mnist", config=args_to_dict(args))
-    accelerator.print(f"{args.dataset}: {len(train_set)} train / {len(eval_set)} test images, {total_steps} optimizer "
-                      f"steps, {lr_rule}; "
+    accelerator.print(f"{args.dataset}: {len(train_set)} train / {len(eval_set)} {'validation' if test_dataloader else 'test'} "
+                      f"images{f' / {len(test_set)} test' if test_dataloader else ''}, {total_steps} optimizer steps, "
+                      f"{lr_rule}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs):
@@ -123,6 +131,9 @@ def main(args):
         if ema:
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
+    if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
+        score(run.load_best(model), test_dataloader, accelerator, transform=transform,
+              output_dir=output_dir / "test", class_names=train_set.classes)
     run.finish(evaluation)
 
 

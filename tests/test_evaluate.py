@@ -112,3 +112,21 @@ def test_a_folder_with_fewer_classes_is_matched_by_name_and_an_unknown_class_is_
     assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
     assert f"{subset} has classes the model does not know: Dandelion" in refused.output
     assert not (tmp_path / "out2" / "predictions.csv").exists()
+
+
+def test_val_fraction_chooses_best_on_validation_and_scores_the_test_set_once_as_evaluate_does(tmp_path):
+    output_dir = tmp_path / "run"
+    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--epochs", 3, "--val_fraction", 0.2,
+                    "--output_dir", output_dir)
+    assert result.returncode == 0, result.output
+    assert "digits: 1077 train / 270 validation images / 450 test," in result.output
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["val_samples"] for record in records] == [270] * 3  # best/ is chosen on validation ...
+    assert all(record["train_unique_samples"] == 1077 for record in records)
+    tested = rows(output_dir / "test" / "predictions.csv")  # ... and the test set scored once, with best/
+    assert [int(row["index"]) for row in tested] == list(range(450))
+    accuracy = np.mean([row["label"] == row["prediction"] for row in tested])
+    assert f"test: 450 images, accuracy {100 * accuracy:.2f}%" in result.output
+    again = script("evaluate.py", "--model_dir", output_dir)  # the same code, later, on the same best/
+    assert again.returncode == 0, again.output
+    assert rows(output_dir / "evaluation" / "predictions.csv") == tested
