@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the
 
 
 def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to="none", output_dir=None,
-                      dist_timeout=None):
+                      dist_timeout=None, cpu=False):
     """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour.
 
     `accelerate launch --config_file accelerate_configs/cpu.yaml` starts its processes through torchrun
@@ -38,7 +38,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
     """
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
+        cpu=cpu or not torch.cuda.is_available(),
         mixed_precision=mixed_precision,
         dynamo_backend="inductor" if compile else None,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else None,

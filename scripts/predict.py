@@ -1,11 +1,14 @@
-"""Predict classes for images with a trained `best/` folder (model.safetensors + meta.json).
+"""Predict classes for images with a trained model (best/, a run's folder, or a checkpoint).
 
 Same preprocessing as evaluation, as meta.json's "eval_transform" says: convert to the model's channels;
 resize to its image size (bilinear), or for train_seedlings.py models resize the short side and center-crop;
 normalise with the mean/std in meta.json. Needs no training script and no pickled code.
-Unreadable images are reported by name and skipped; the rest are still predicted.
+Images are decoded in DataLoader workers and predicted in batches (bf16 autocast on a GPU unless
+--mixed_precision says otherwise); under `accelerate launch` the processes share the images, and one CSV is
+written in input order. Unreadable images are reported by name and skipped; the rest are still predicted.
 
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
+    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/predict.py --model_dir ... photos/
 """
 
 import csv
@@ -17,24 +20,48 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import load_best_model  # noqa: E402
 from common.data import preprocess  # noqa: E402
+from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.flags import ArgumentParser, device, positive_int  # noqa: E402
-from common.folders import build_eval_transform, find_images, read_image  # noqa: E402
+from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
+from common.folders import build_eval_transform, build_file_dataloader, find_images, read_image  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", help="image files and/or folders (searched recursively)")
-    parser.add_argument("--model_dir", required=True, help="a best/ folder written by a training script")
+    parser.add_argument("--model_dir", required=True, help="best/, a run's output folder, or a checkpoint")
     parser.add_argument("--output", default="predictions.csv",
                         help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
     parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")
-    parser.add_argument("--batch_size", type=positive_int, default=64, help="default: %(default)s")
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="per process (default: %(default)s)")
+    parser.add_argument("--num_workers", type=nonnegative_int, default=2,
+                        help="DataLoader workers per process that decode the images (default: %(default)s)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="default: %(default)s")
+                        help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                        help="default: bf16 on a GPU that has it, else the accelerate config's (no on the CPU)")
     return parser.parse_args(argv)
+
+
+class ImagesToPredict(torch.utils.data.Dataset):
+    """The image files, preprocessed in a DataLoader worker; an unreadable one is named on stderr and comes
+    out as a blank image with ok False."""
+
+    def __init__(self, paths, *, transform, channels, image_size):
+        self.paths, self.transform, self.channels, self.image_size = paths, transform, channels, image_size
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        try:
+            image, ok = self.transform(read_image(self.paths[index], channels=self.channels)), True
+        except (OSError, ValueError) as error:
+            print(f"skipped {self.paths[index]}: not a readable image ({error})", file=sys.stderr)
+            image, ok = torch.zeros((self.channels, *self.image_size), dtype=torch.uint8), False
+        return {"image": image, "ok": ok, "index": index}
 
 
 def is_predictions_csv(path):
@@ -51,29 +78,25 @@ def main(args):
     paths = find_images(args.inputs)
     check_output_file(args.output, suffix=".csv", what="a CSV written by predict.py", is_ours=is_predictions_csv,
                       inputs=paths, overwrite=args.overwrite)
+    on_gpu = torch.device(args.device).type == "cuda"
+    accelerator = build_accelerator(cpu=not on_gpu, mixed_precision=args.mixed_precision or (
+        "bf16" if on_gpu and torch.cuda.is_bf16_supported() else None))
     model, meta = load_best_model(args.model_dir)
-    model.to(args.device)
     classes, channels = meta["class_names"], meta["model_kwargs"]["in_chans"]
-    transform = build_eval_transform(meta["eval_transform"])  # what the run's evaluation did
+    images = ImagesToPredict(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
+                             image_size=meta["image_size"])
+    dataloader = build_file_dataloader(images, batch_size=args.batch_size, shuffle=False, num_workers=args.num_workers)
+    model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
     top_k = min(args.top_k, len(classes))
-    rows, failures = [], []
-    for start in range(0, len(paths), args.batch_size):
-        batch, kept = [], []
-        for path in paths[start:start + args.batch_size]:
-            try:
-                batch.append(transform(read_image(path, channels=channels)))
-                kept.append(path)
-            except (OSError, ValueError) as error:
-                failures.append(path)
-                print(f"skipped {path}: not a readable image ({error})", file=sys.stderr)
-        if not batch:
-            continue
-        images = torch.stack(batch).to(args.device)
-        probabilities = model(preprocess(images, mean=meta["mean"], std=meta["std"])).float().softmax(1)
+    found = []  # (index, ok, top-k probabilities, top-k classes) of every image, in input order
+    for batch in dataloader:
+        probabilities = model(preprocess(batch["image"], mean=meta["mean"], std=meta["std"])).float().softmax(1)
         top = probabilities.topk(top_k, dim=1)
-        for path, values, indices in zip(kept, top.values.tolist(), top.indices.tolist()):
-            rows.append([str(path)] + [item for i, p in zip(indices, values) for item in (classes[i], f"{p:.6f}")])
-
+        # gather per batch: gather_for_metrics drops the last batch's padding while it iterates that batch
+        found.append([t.cpu() for t in accelerator.gather_for_metrics((batch["index"], batch["ok"], *top))])
+    index, ok, values, labels = (torch.cat(parts) for parts in zip(*found))
+    rows = [[str(paths[i])] + [item for p, c in zip(v, k) for item in (classes[c], f"{p:.6f}")]
+            for i, good, v, k in zip(index.tolist(), ok.tolist(), values.tolist(), labels.tolist()) if good]
     if not rows:
         raise UserError(f"none of the {len(paths)} images could be read (see the lines above); {args.output} was "
                         "not written")
@@ -84,8 +107,11 @@ def main(args):
             writer.writerow(["file"] + [f"{kind}_{k}" for k in range(1, top_k + 1) for kind in ("class", "probability")])
             writer.writerows(rows)
 
-    write_atomically(args.output, write)
-    print(f"predicted {len(rows)} images -> {args.output}" + (f"; skipped {len(failures)} unreadable" if failures else ""))
+    if accelerator.is_main_process:
+        write_atomically(args.output, write)
+    skipped = len(paths) - len(rows)
+    accelerator.print(f"predicted {len(rows)} images -> {args.output}" + (f"; skipped {skipped} unreadable" if skipped else ""))
+    accelerator.wait_for_everyone()
     return rows
 
 

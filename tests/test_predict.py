@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, run_command
+from conftest import REPO, launch, run_command
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +80,23 @@ def test_corrupt_or_foreign_weights_get_a_clear_message(digits_run, tmp_path):
     result = predict("--model_dir", best, "--output", tmp_path / "out.csv", image)
     assert result.returncode == 2 and "is corrupt or not a safetensors file" in result.output
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp_path):
+    """451 files, one of them unreadable, in batches of 16: each process decodes its share in a worker, and
+    one CSV comes out in input order."""
+    (tmp_path / "images").mkdir()
+    write_test_pngs(tmp_path / "images")
+    (tmp_path / "images" / "0100_broken.png").write_bytes(b"\x89PNG not really")
+    one = predict("--model_dir", digits_run, "--output", tmp_path / "one.csv", "--batch_size", 16, tmp_path / "images")
+    assert one.returncode == 0, one.output
+    two = launch(REPO / "scripts" / "predict.py", "--model_dir", digits_run, "--output", tmp_path / "two.csv",
+                 "--batch_size", 16, tmp_path / "images")
+    assert two.returncode == 0, two.output
+    assert "predicted 450 images" in two.output and "skipped 1 unreadable" in two.output
+    assert f"skipped {tmp_path / 'images' / '0100_broken.png'}: not a readable image" in two.output
+    ours, theirs = (list(csv.DictReader(open(tmp_path / name))) for name in ("two.csv", "one.csv"))
+    assert [r["file"] for r in ours] == sorted(str(p) for p in (tmp_path / "images").glob("*_label*.png"))
+    assert [r["class_1"] for r in ours] == [r["class_1"] for r in theirs]
+    assert np.allclose([float(r["probability_1"]) for r in ours], [float(r["probability_1"]) for r in theirs],
+                       atol=1e-6)
