@@ -81,7 +81,7 @@ def load_best_model(model_dir):
     if not meta_path.is_file():
         raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote (or the run's folder, "
                         "or one of its checkpoints)")
-    meta, problem = _read_json(meta_path, check=_check_meta)
+    meta, problem = read_json(meta_path, check=check_meta)
     if problem:
         raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "
                         "use the meta.json the run wrote beside model.safetensors")
@@ -91,7 +91,7 @@ def load_best_model(model_dir):
     return model.eval(), meta
 
 
-def _read_json(path, *, check):
+def read_json(path, *, check):
     """(the JSON in `path`, what is wrong with it): `check(data)`'s answer, None when nothing is."""
     try:
         data = json.loads(Path(path).read_text())
@@ -100,7 +100,7 @@ def _read_json(path, *, check):
     return data, check(data)
 
 
-def _check_meta(meta):
+def check_meta(meta):
     """What is wrong with a best/meta.json, or None: every field predict.py and evaluation use."""
     if not isinstance(meta, dict):
         return "not a JSON object"
@@ -209,7 +209,7 @@ def find_checkpoint(output_dir, resume):
     if not state_path.is_file():
         raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). Pass "
                         "`latest` or a folder from OUTPUT_DIR/checkpoints/.")
-    state, problem = _read_json(state_path, check=_check_state)
+    state, problem = read_json(state_path, check=_check_state)
     if problem:
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
                         f"another checkpoint. {choose}")

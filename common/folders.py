@@ -11,6 +11,7 @@ in-memory datasets: normalisation (and mixup) happen on the device.
 import json
 import math
 import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -237,6 +238,25 @@ class ImageFileDataset(torch.utils.data.Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(np.random.SeedSequence([self.seed, int(self.epoch), index]).generate_state(1)[0]))
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Unlabelled image files (predict.py, export.py), preprocessed in a DataLoader worker; an unreadable one
+    is named on stderr and comes out as a blank image with ok False."""
+
+    def __init__(self, paths, *, transform, channels, image_size):
+        self.paths, self.transform, self.channels, self.image_size = paths, transform, channels, image_size
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        try:
+            image, ok = self.transform(read_image(self.paths[index], channels=self.channels)), True
+        except (OSError, ValueError) as error:
+            print(f"skipped {self.paths[index]}: not a readable image ({error})", file=sys.stderr)
+            image, ok = torch.zeros((self.channels, *self.image_size), dtype=torch.uint8), False
+        return {"image": image, "ok": ok, "index": index}
 
 
 class ClassBalancedSampler(torch.utils.data.Sampler):

@@ -22,15 +22,17 @@ from common.checkpoint import load_best_model  # noqa: E402
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
+from common.exported import load_exported  # noqa: E402
 from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
-from common.folders import build_eval_transform, build_file_dataloader, find_images, read_image  # noqa: E402
+from common.folders import ImageFiles, build_eval_transform, build_file_dataloader, find_images  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", help="image files and/or folders (searched recursively)")
-    parser.add_argument("--model_dir", required=True, help="best/, a run's output folder, or a checkpoint")
+    parser.add_argument("--model_dir", required=True,
+                        help="best/, a run's output folder, a checkpoint, or an .onnx file from scripts/export.py")
     parser.add_argument("--output", default="predictions.csv",
                         help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
@@ -43,25 +45,6 @@ def parse_args(argv=None):
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="default: bf16 on a GPU that has it, else the accelerate config's (no on the CPU)")
     return parser.parse_args(argv)
-
-
-class ImagesToPredict(torch.utils.data.Dataset):
-    """The image files, preprocessed in a DataLoader worker; an unreadable one is named on stderr and comes
-    out as a blank image with ok False."""
-
-    def __init__(self, paths, *, transform, channels, image_size):
-        self.paths, self.transform, self.channels, self.image_size = paths, transform, channels, image_size
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, index):
-        try:
-            image, ok = self.transform(read_image(self.paths[index], channels=self.channels)), True
-        except (OSError, ValueError) as error:
-            print(f"skipped {self.paths[index]}: not a readable image ({error})", file=sys.stderr)
-            image, ok = torch.zeros((self.channels, *self.image_size), dtype=torch.uint8), False
-        return {"image": image, "ok": ok, "index": index}
 
 
 def is_predictions_csv(path):
@@ -81,12 +64,14 @@ def main(args):
     on_gpu = torch.device(args.device).type == "cuda"
     accelerator = build_accelerator(cpu=not on_gpu, mixed_precision=args.mixed_precision or (
         "bf16" if on_gpu and torch.cuda.is_bf16_supported() else None))
-    model, meta = load_best_model(args.model_dir)
+    exported = Path(args.model_dir).suffix == ".onnx"  # scripts/export.py's file, run by onnxruntime
+    model, meta = load_exported(args.model_dir) if exported else load_best_model(args.model_dir)
     classes, channels = meta["class_names"], meta["model_kwargs"]["in_chans"]
-    images = ImagesToPredict(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
+    images = ImageFiles(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
                              image_size=meta["image_size"])
     dataloader = build_file_dataloader(images, batch_size=args.batch_size, shuffle=False, num_workers=args.num_workers)
-    model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
+    model = model if exported else accelerator.prepare_model(model, evaluation_mode=True)
+    dataloader = accelerator.prepare(dataloader)
     top_k = min(args.top_k, len(classes))
     found = []  # (index, ok, top-k probabilities, top-k classes) of every image, in input order
     for batch in dataloader:

@@ -1,4 +1,5 @@
-"""The best model round trip: a training run's best/ folder -> predict.py -> the same predictions."""
+"""The best model round trip: a training run's best/ folder -> predict.py (or export.py -> an ONNX file ->
+predict.py) -> the same predictions."""
 
 import csv
 import json
@@ -100,3 +101,63 @@ def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp
     assert [r["class_1"] for r in ours] == [r["class_1"] for r in theirs]
     assert np.allclose([float(r["probability_1"]) for r in ours], [float(r["probability_1"]) for r in theirs],
                        atol=1e-6)
+
+
+def export(*args):
+    return run_command([sys.executable, REPO / "scripts" / "export.py", *args])
+
+
+def test_an_onnx_export_predicts_the_same_top_1_as_pytorch_on_the_digits_test_images(digits_run, tmp_path):
+    (tmp_path / "images").mkdir()
+    write_test_pngs(tmp_path / "images")
+    onnx = tmp_path / "deploy" / "digits.onnx"
+    onnx.parent.mkdir()
+    result = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images")
+    assert result.returncode == 0, result.output
+    assert "checked on 450 images" in result.output and "top-1 the same on all" in result.output
+    description = json.loads(onnx.with_suffix(".json").read_text())
+    assert description["class_names"] == [str(d) for d in range(10)] and description["input"] == "images"
+    assert "resize to [8, 8]" in description["preprocessing"]
+
+    for model, csv_file in ((digits_run / "best", "torch.csv"), (onnx, "onnx.csv")):
+        result = predict("--model_dir", model, "--output", tmp_path / csv_file, tmp_path / "images")
+        assert result.returncode == 0, result.output
+    ours, theirs = (list(csv.DictReader(open(tmp_path / name))) for name in ("onnx.csv", "torch.csv"))
+    assert [r["file"] for r in ours] == [r["file"] for r in theirs] and len(ours) == 450
+    assert [r["class_1"] for r in ours] == [r["class_1"] for r in theirs]
+    assert np.allclose([float(r["probability_1"]) for r in ours], [float(r["probability_1"]) for r in theirs],
+                       atol=1e-5)
+    # an existing export is kept unless --overwrite; a model without its description is refused by name
+    again = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images")
+    assert again.returncode == 2 and "exists" in again.output and "Traceback" not in again.output
+    onnx.with_suffix(".json").unlink()
+    result = predict("--model_dir", onnx, "--output", tmp_path / "x.csv", tmp_path / "images")
+    assert result.returncode == 2 and f"{onnx.with_suffix('.json')} is missing" in result.output
+
+
+def test_an_onnx_export_of_a_seedlings_resnet_agrees_with_pytorch_on_every_image(tmp_path, seedlings):
+    import torch
+    from safetensors.torch import save_file
+
+    from common.models import build_model, describe_model
+
+    torch.manual_seed(0)
+    meta = describe_model("resnet18", class_names=sorted(p.name for p in seedlings.iterdir()), image_size=(48, 48),
+                          mean=(0.33, 0.29, 0.21), std=(0.14, 0.14, 0.16), resize_size=55, dataset="folder")
+    model = build_model("resnet18", **meta["model_kwargs"])
+    for module in model.modules():  # BatchNorm statistics of a trained model, not the fresh 0 and 1
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+    (tmp_path / "best").mkdir()
+    save_file(model.state_dict(), tmp_path / "best" / "model.safetensors")
+    (tmp_path / "best" / "meta.json").write_text(json.dumps(meta))
+    onnx = tmp_path / "seedlings.onnx"
+    result = export("--model_dir", tmp_path / "best", "--output", onnx, "--check_images", seedlings)
+    assert result.returncode == 0, result.output
+    assert "checked on 85 images" in result.output and "top-1 the same on all" in result.output
+    for model_dir, csv_file in ((tmp_path / "best", "torch.csv"), (onnx, "onnx.csv")):
+        result = predict("--model_dir", model_dir, "--output", tmp_path / csv_file, seedlings)
+        assert result.returncode == 0, result.output
+    ours, theirs = (list(csv.DictReader(open(tmp_path / name))) for name in ("onnx.csv", "torch.csv"))
+    assert len(ours) == 85 and [r["class_1"] for r in ours] == [r["class_1"] for r in theirs]

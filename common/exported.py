@@ -1,0 +1,51 @@
+"""A model exported by scripts/export.py: FILE.onnx and its description FILE.json, run with onnxruntime.
+
+FILE.json holds what best/meta.json holds (classes, image size, mean/std, eval_transform, the architecture
+it came from) plus the input and output names, so predict.py treats an exported model like best/.
+"""
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import check_meta, read_json
+from .errors import UserError
+
+INPUT, OUTPUT = "images", "logits"
+
+
+def description_path(onnx_path):
+    return Path(onnx_path).with_suffix(".json")
+
+
+class OnnxModel(torch.nn.Module):
+    """onnxruntime on the CPU behind a module's call: float (N, C, H, W) normalised images in, logits out."""
+
+    def __init__(self, path):
+        super().__init__()
+        import onnxruntime  # imported here: training does not need it
+
+        try:
+            self.session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as error:  # onnxruntime raises its own exception types for a bad file
+            raise UserError(f"{path} is not an ONNX model onnxruntime can load ({error}); export it again with "
+                            "scripts/export.py") from None
+
+    def forward(self, images):
+        logits = self.session.run([OUTPUT], {INPUT: images.detach().float().cpu().numpy()})[0]
+        return torch.from_numpy(logits).to(images.device)
+
+
+def load_exported(path):
+    """(OnnxModel, description) for FILE.onnx and the FILE.json beside it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} not found: pass an .onnx file written by scripts/export.py")
+    described = description_path(path)
+    if not described.is_file():
+        raise UserError(f"{described} is missing: scripts/export.py writes it beside {path.name}; copy it along "
+                        "with the model, or export again")
+    meta, problem = read_json(described, check=check_meta)
+    if problem:
+        raise UserError(f"{described} is not a description written by scripts/export.py ({problem}); export again")
+    return OnnxModel(path), meta
