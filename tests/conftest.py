@@ -121,6 +121,16 @@ def write_idx(path, array):
 
 
 @pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """A finished 4-epoch digits run (one process) with its best/, for the tools that use a trained model.
+    Tests read it; one that changes it works on a copy."""
+    output_dir = tmp_path_factory.mktemp("digits") / "run"
+    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 4, "--output_dir", output_dir)
+    assert result.returncode == 0, result.output
+    return output_dir
+
+
+@pytest.fixture(scope="session")
 def cifar_jpegs(tmp_path_factory):
     """Real CIFAR-10 JPEGs as an ImageFolder tree: train/ 151 images, test/ 101 (sizes that divide by nothing).
     A copy of tests/fixtures/cifar10 (made by tests/fixtures/make_fixtures.py) that tests may change."""

@@ -377,7 +377,7 @@ def test_a_meta_json_with_missing_or_wrong_keys_is_named(tmp_path):
 # ---- runs that a mistake must not cost (real training) ----
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
+def one_epoch_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("digits") / "run"
     result = script("train_mnist.py", "--dataset", "digits", "--epochs", 1, "--output_dir", run)
     assert result.returncode == 0, result.output
@@ -385,9 +385,9 @@ def digits_run(tmp_path_factory):
 
 
 @pytest.fixture
-def finished_run(digits_run, tmp_path):
+def finished_run(one_epoch_run, tmp_path):
     """A copy of a finished 1-epoch digits run, plus a file of the user's (a scheduler's log) in its folder."""
-    run = shutil.copytree(digits_run, tmp_path / "run")
+    run = shutil.copytree(one_epoch_run, tmp_path / "run")
     (run / "slurm-1234.out").write_text("the job's log\n")
     return run
 

@@ -32,14 +32,6 @@ def write_model(folder, architecture, *, dataset, **description):
     return folder
 
 
-@pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("digits") / "run"
-    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 3, "--output_dir", output_dir)
-    assert result.returncode == 0, result.output
-    return output_dir
-
-
 def test_two_processes_count_every_image_once_as_one_process_does(tmp_path, cifar_jpegs):
     """101 test images, batches of 8: the last batch of each process is short, and Accelerate pads one."""
     best = write_model(tmp_path / "run" / "best", "resnet18_cifar", dataset="cifar10",

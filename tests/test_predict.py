@@ -14,15 +14,6 @@ from conftest import REPO, launch, run_command
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("digits") / "run"
-    result = run_command([sys.executable, REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--epochs", 4,
-                          "--output_dir", output_dir])
-    assert result.returncode == 0, result.output
-    return output_dir
-
-
 def write_test_pngs(folder):
     from common.data import build_digits
 
