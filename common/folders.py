@@ -10,6 +10,7 @@ in-memory datasets: normalisation (and mixup) happen on the device.
 
 import json
 import math
+import os
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -290,12 +291,25 @@ def balanced_class_weights(labels, num_classes):
     return torch.tensor(len(labels) / (num_classes * np.maximum(counts, 1)), dtype=torch.float32)
 
 
-def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=4, sampler=None):
+def choose_num_workers(given=None):
+    """(DataLoader workers per process, how they were chosen): `given` (--num_workers), else the cores this
+    process may use shared among the processes of this machine, less one for the process itself, at least 1
+    and at most 8. More workers than cores only make them take turns (and on 2 cores halved the speed)."""
+    if given is not None:
+        return given, "--num_workers"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, min(8, cores // local - 1)), f"{cores} cores / {local} processes on this machine, less one"
+
+
+def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=None, sampler=None):
     """Workers decode and augment, each 4 batches ahead; pinned memory when there is a GPU; workers persist
-    across epochs. `sampler` (a ClassBalancedSampler) replaces the shuffle.
+    across epochs. `num_workers` None: `choose_num_workers`. `sampler` (a ClassBalancedSampler) replaces the
+    shuffle.
 
     As for the in-memory loader, a generator of its own keeps the global RNG out of it.
     """
+    num_workers = choose_num_workers(num_workers)[0]
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
                                        sampler=sampler, drop_last=drop_last, num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,

@@ -51,8 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--tta", choices=["none", "flip"], default="none",
                         help="flip: average with the horizontally mirrored image (default: %(default)s)")
     parser.add_argument("--batch_size", type=positive_int, default=256, help="per process (default: %(default)s)")
-    parser.add_argument("--num_workers", type=nonnegative_int, default=4,
-                        help="DataLoader workers per process, folder datasets (default: %(default)s)")
+    parser.add_argument("--num_workers", type=nonnegative_int, default=None,
+                        help="DataLoader workers per process, folder datasets (default: from the cores per process)")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="overrides the accelerate config")

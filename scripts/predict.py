@@ -38,8 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
     parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")
     parser.add_argument("--batch_size", type=positive_int, default=64, help="per process (default: %(default)s)")
-    parser.add_argument("--num_workers", type=nonnegative_int, default=2,
-                        help="DataLoader workers per process that decode the images (default: %(default)s)")
+    parser.add_argument("--num_workers", type=nonnegative_int, default=None,
+                        help="DataLoader workers per process that decode the images (default: from the cores per "
+                             "process)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,

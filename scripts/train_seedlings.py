@@ -45,8 +45,8 @@ from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
                           nonnegative_int, number, positive_int, probability, resolve_args)
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
-                            build_file_dataloader, build_folder_dataset, build_train_transform, find_splits,
-                            read_mean_std, resize_size)
+                            build_file_dataloader, build_folder_dataset, build_train_transform, choose_num_workers,
+                            find_splits, read_mean_std, resize_size)
 from common.models import build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
@@ -68,7 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--mixup_switch_prob", type=probability, default=0.5, help="cutmix instead of mixup (default: %(default)s)")
     parser.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=None,
                         help="SyncBatchNorm (default: on with CUDA and more than one process, else off)")
-    parser.add_argument("--num_workers", type=nonnegative_int, default=4, help="DataLoader workers per process (default: %(default)s)")
+    parser.add_argument("--num_workers", type=nonnegative_int, default=None,
+                        help="DataLoader workers per process (default: from the cores per process, in the log)")
     parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     parser.add_argument("--class_weights", choices=["none", "balanced"], default="none",
@@ -119,10 +120,11 @@ def main(args):
             accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
     # drop_last: every training batch is full, so even (mixup) and the same size on every process
     sampler = ClassBalancedSampler(train_set.labels, seed=args.seed) if args.sampler == "balanced" else None
+    num_workers, workers_rule = choose_num_workers(args.num_workers)
     train_dataloader = build_file_dataloader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                             num_workers=args.num_workers, sampler=sampler)
+                                             num_workers=num_workers, sampler=sampler)
     eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, shuffle=False,
-                                            num_workers=args.num_workers)
+                                            num_workers=num_workers)
     if len(train_dataloader) == 0:
         raise UserError(f"{len(train_set)} training images make no full batch of --batch_size {args.batch_size}: "
                         "lower it")
@@ -166,7 +168,8 @@ def main(args):
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
-                      f"images, {total_steps} optimizer steps, {lr_rule}; SyncBatchNorm {'on' if sync_bn else 'off'}; "
+                      f"images, {total_steps} optimizer steps, {lr_rule}; {num_workers} loader workers per process "
+                      f"({workers_rule}); SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs):
