@@ -8,6 +8,7 @@ Training reads the files in DataLoader workers (random resized crop, flips, rota
 in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -141,12 +142,16 @@ def convert_image(image, *, channels=3):
     return image.convert("L" if channels == 1 else "RGB")
 
 
-def check_images(files, *, skip_bad_images, cache_size=None):
+def check_images(files, *, skip_bad_images, cache_size=None, accelerator=None, record=None):
     """Decode every image once (threads) -> (indices of the good ones, [(file, error)] of the bad, cache).
 
     A bad image stops the run with its name unless `skip_bad_images`. With `cache_size` the cache holds
     the good images as evaluation first sees them (short side resized to cache_size, center square),
-    uint8 (N, 3, S, S); otherwise it is None.
+    uint8 (N, 3, S, S), decoded by every process; otherwise it is None, and with an `accelerator` each
+    process checks its own share and the bad lists are gathered, so that all agree. `record`: a JSON file
+    (beside the data) where the check's result is kept with a fingerprint of the files' names, sizes and
+    times; a later check of the same files reads it instead of decoding (best effort: a read-only folder
+    means checking again).
     """
     shrink = build_eval_transform({"resize": cache_size, "center_crop": cache_size}) if cache_size else None
 
@@ -157,18 +162,83 @@ def check_images(files, *, skip_bad_images, cache_size=None):
         except (OSError, ValueError) as error:
             return error
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(decode, files, chunksize=64))
-    bad = [(path, result) for path, result in zip(files, results) if isinstance(result, Exception)]
+    if cache_size:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(decode, files, chunksize=64))
+        bad = [(path, result) for path, result in zip(files, results) if isinstance(result, Exception)]
+    else:
+        bad = _check_shared_out(files, decode, accelerator=accelerator, record=record)
+    bad_files = {path for path, _ in bad}
     if bad and not skip_bad_images:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
                         "to leave unreadable images out")
-    good = [i for i, result in enumerate(results) if not isinstance(result, Exception)]
+    good = [i for i, path in enumerate(files) if path not in bad_files]
     if files and not good:
         raise UserError(f"none of the {len(files)} images could be read, e.g. {bad[0][0]}: {bad[0][1]}")
     cache = torch.stack([results[i] for i in good]) if cache_size else None
     return good, bad, cache
+
+
+def _check_shared_out(files, decode, *, accelerator, record):
+    """[(file, error)] of the unreadable `files`: from `record` when it holds this very list of files, else
+    each process decodes every n-th file from its index (n processes) and the lists are gathered; the main
+    process writes the record, with each process's share."""
+    stats = []
+    for path in files:
+        try:
+            stat = Path(path).stat()
+            stats.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+        except OSError:
+            stats.append(f"{path}:missing")
+    fingerprint = hashlib.sha256("\n".join(stats).encode()).hexdigest()
+    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    kept = _read_record(record, fingerprint) if rank == 0 else None
+    if processes > 1:  # the main process decides for all: another run may be writing the record right now
+        from accelerate.utils import broadcast_object_list
+
+        kept = broadcast_object_list([kept])[0]
+    if kept is not None:
+        if rank == 0:
+            print(f"image check of {len(files)} images read from {record} (the files have not changed)")
+        return [(Path(path), error) for path, error in kept]
+    share = files[rank::processes]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(decode, share, chunksize=64))
+    mine = [(str(path), f"{result}") for path, result in zip(share, results) if isinstance(result, Exception)]
+    bad, shares = (mine, [len(share)]) if processes == 1 else _gather_lists(accelerator, mine, len(share))
+    order = {str(path): i for i, path in enumerate(files)}
+    bad.sort(key=lambda item: order[item[0]])
+    if rank == 0:
+        print(f"checked {len(files)} images on {processes} process(es) ({' + '.join(map(str, shares))})"
+              + (f", kept in {record}" if record else ""))
+    if record is not None and rank == 0:
+        try:
+            text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
+                               "bad": bad})
+            tmp = Path(record).with_name(f"{Path(record).name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, record)
+        except OSError:
+            pass
+    return [(Path(path), error) for path, error in bad]
+
+
+def _read_record(record, fingerprint):
+    """The bad list a check of these very files kept in `record`, or None (no record, another list, damaged)."""
+    try:
+        kept = json.loads(Path(record).read_text())
+        return [(str(path), str(error)) for path, error in kept["bad"]] if kept["fingerprint"] == fingerprint else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _gather_lists(accelerator, bad, count):
+    """Every process's bad list, concatenated, and every process's share size, on every process."""
+    from accelerate.utils import gather_object
+
+    gathered = gather_object([(bad, count)])
+    return [item for mine, _ in gathered for item in mine], [count for _, count in gathered]
 
 
 def build_train_transform(image_size, auto_augment="none"):
@@ -201,10 +271,13 @@ def resize_size(image_size):
     return round(image_size / 0.875)
 
 
-def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None, seed=None):
-    """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images`; the
-    unreadable ones, left out with `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset."""
-    good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size)
+def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None,
+                         record=None):
+    """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images` (shared out
+    among the `accelerator`'s processes, kept in `record`); the unreadable ones, left out with
+    `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset."""
+    good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size,
+                                    accelerator=accelerator, record=record)
     dataset = ImageFileDataset([split["files"][i] for i in good], [split["labels"][i] for i in good], classes,
                                transform=transform, cache=cache, seed=seed)
     dataset.left_out = [path for path, _ in bad]

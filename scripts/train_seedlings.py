@@ -109,11 +109,14 @@ def main(args):
     model_info = describe_model(args.model, class_names=classes, image_size=(args.image_size, args.image_size),
                                 mean=mean, std=std, resize_size=resize_size(args.image_size), dataset="folder") | {
                                     "args": args_to_dict(args)}  # into best/ and every checkpoint
+    # each process checks its share of the images; the result is kept beside the data for the next run
     folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
-                             cache_size=resize_size(args.image_size) if args.cache_images else None)
+                             cache_size=resize_size(args.image_size) if args.cache_images else None,
+                             accelerator=accelerator)
     train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment),
-                              seed=args.seed)
-    eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]))
+                               seed=args.seed, record=Path(args.data_dir) / ".checked-train.json")
+    eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]),
+                              record=Path(args.data_dir) / ".checked-val.json")
     for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
                            ("unreadable val images", eval_set.left_out)):
         if left_out:

@@ -2,6 +2,8 @@
 
 import csv
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from safetensors.torch import save_file
 from common.errors import UserError
 from common.folders import check_images, find_splits, list_image_folder, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import REPO, launch, launch_command, run_command, script
+from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
 SCRIPTS = REPO / "scripts"
 
@@ -96,6 +98,55 @@ def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
     kept, bad, cache = check_images([*good, truncated, garbage], skip_bad_images=True, cache_size=40)
     assert kept == [0, 1] and [path for path, _ in bad] == [truncated, garbage]
     assert cache.shape == (2, 3, 40, 40) and cache.dtype == torch.uint8
+
+
+def test_the_image_check_is_kept_with_a_fingerprint_and_redone_when_a_file_changes(tmp_path, seedlings):
+    files = sorted((seedlings / "Maize").iterdir())[:3]
+    garbage = tmp_path / "garbage.png"
+    garbage.write_text("not a png")
+    record = tmp_path / ".checked-train.json"
+    first = check_images([*files, garbage], skip_bad_images=True, record=record)
+    assert json.loads(record.read_text())["bad"] == [[str(garbage), first[1][0][1]]]
+    garbage.write_bytes(files[0].read_bytes())  # repaired: another size and time, so checked again
+    assert check_images([*files, garbage], skip_bad_images=True, record=record)[1] == []
+    garbage.write_text("broken again")
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "bad": [["somewhere", "a record from another list"]]}))
+    assert [path for path, _ in check_images([*files, garbage], skip_bad_images=True, record=record)[1]] == [garbage]
+    record.write_text(json.dumps({**json.loads(record.read_text()), "bad": [[str(files[0]), "kept"]]}))
+    assert check_images([*files, garbage], skip_bad_images=True, record=record)[0] == [1, 2, 3]  # read, not redone
+
+
+@pytest.mark.slow
+def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second_run_reads_the_check(tmp_path,
+                                                                                                      seedlings):
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    for name in ("truncated.png", "not_an_image.png"):
+        shutil.copy(FIXTURES / "odd_images" / name, data / "Maize" / f"zz_{name}")
+    command = [SCRIPTS / "train_seedlings.py", "--data_dir", data, "--model", "resnet18", "--image_size", 48, "--epochs",
+               1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images"]
+    first = launch(*command, "--output_dir", tmp_path / "first")
+    assert first.returncode == 0, first.output
+    records = [json.loads((data / f".checked-{split}.json").read_text()) for split in ("train", "val")]
+    assert sum(record["images"] for record in records) == 87
+    for record in records:  # every image checked once, half by each process
+        assert sum(record["checked_per_process"]) == record["images"]
+        assert max(record["checked_per_process"]) - min(record["checked_per_process"]) <= 1
+        assert f"checked {record['images']} images on 2 process(es)" in first.output
+    assert sorted(Path(path).name for record in records for path, _ in record["bad"]) == [
+        "zz_not_an_image.png", "zz_truncated.png"]
+    # both processes left out the same two files: else their datasets would differ and training would fail
+    left_out = re.findall(r"left out (\d+) unreadable (?:train|val) images", first.output)
+    assert sum(map(int, left_out)) == 2
+
+    second = launch(*command, "--output_dir", tmp_path / "second")
+    assert second.returncode == 0, second.output
+    assert not re.search(r"checked \d+ images on", second.output)
+    for record in records:
+        assert f"image check of {record['images']} images read from" in second.output
+    same = [[json.loads(line)[key] for key in ("train_loss", "val_accuracy", "train_unique_samples")]
+            for run in ("first", "second") for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert same[0] == same[1]  # the same data, checked or read
 
 
 def test_pretrained_weights_from_a_file_leave_out_the_classifier(tmp_path):
