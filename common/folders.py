@@ -143,15 +143,16 @@ def convert_image(image, *, channels=3):
 
 
 def check_images(files, *, skip_bad_images, cache_size=None, accelerator=None, record=None):
-    """Decode every image once (threads) -> (indices of the good ones, [(file, error)] of the bad, cache).
+    """Decode every image once -> (indices of the good ones, [(file, error)] of the bad, cache).
 
-    A bad image stops the run with its name unless `skip_bad_images`. With `cache_size` the cache holds
-    the good images as evaluation first sees them (short side resized to cache_size, center square),
-    uint8 (N, 3, S, S), decoded by every process; otherwise it is None, and with an `accelerator` each
-    process checks its own share and the bad lists are gathered, so that all agree. `record`: a JSON file
-    (beside the data) where the check's result is kept with a fingerprint of the files' names, sizes and
-    times; a later check of the same files reads it instead of decoding (best effort: a read-only folder
-    means checking again).
+    A bad image stops the run with its name unless `skip_bad_images`. With an `accelerator` each process
+    checks its own share and the bad lists are gathered, so that all agree. `record`: a JSON file beside
+    the data where the result is kept with a fingerprint of the files' names, sizes and times; a later
+    check of the same files reads it instead of decoding (best effort: a read-only folder means checking
+    again). With `cache_size` the cache holds every listed image as evaluation first sees it (short side
+    resized to cache_size, center square), uint8 (N, 3, S, S), index it with the good indices: decoded
+    once per machine into an .npy file beside the record and memory-mapped by every process, so the page
+    cache holds one copy; without a record, or where it cannot be written, decoded in memory.
     """
     shrink = build_eval_transform({"resize": cache_size, "center_crop": cache_size}) if cache_size else None
 
@@ -162,12 +163,7 @@ def check_images(files, *, skip_bad_images, cache_size=None, accelerator=None, r
         except (OSError, ValueError) as error:
             return error
 
-    if cache_size:
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            results = list(pool.map(decode, files, chunksize=64))
-        bad = [(path, result) for path, result in zip(files, results) if isinstance(result, Exception)]
-    else:
-        bad = _check_shared_out(files, decode, accelerator=accelerator, record=record)
+    bad, cache = _check_shared_out(files, decode, accelerator=accelerator, record=record, cache_size=cache_size)
     bad_files = {path for path, _ in bad}
     if bad and not skip_bad_images:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -176,14 +172,16 @@ def check_images(files, *, skip_bad_images, cache_size=None, accelerator=None, r
     good = [i for i, path in enumerate(files) if path not in bad_files]
     if files and not good:
         raise UserError(f"none of the {len(files)} images could be read, e.g. {bad[0][0]}: {bad[0][1]}")
-    cache = torch.stack([results[i] for i in good]) if cache_size else None
     return good, bad, cache
 
 
-def _check_shared_out(files, decode, *, accelerator, record):
-    """[(file, error)] of the unreadable `files`: from `record` when it holds this very list of files, else
-    each process decodes every n-th file from its index (n processes) and the lists are gathered; the main
-    process writes the record, with each process's share."""
+def _check_shared_out(files, decode, *, accelerator, record, cache_size):
+    """([(file, error)] of the unreadable `files`, the decoded cache or None); see check_images.
+
+    The main process reads `record` and decides for all (another run may be writing it right now). Without
+    a fitting record: each process decodes every n-th file from its index and the bad lists are gathered;
+    with `cache_size` the main process of each machine decodes them all into the .npy file instead (threads),
+    and the others map it. The main process writes the record, with each process's share."""
     stats = []
     for path in files:
         try:
@@ -193,42 +191,100 @@ def _check_shared_out(files, decode, *, accelerator, record):
             stats.append(f"{path}:missing")
     fingerprint = hashlib.sha256("\n".join(stats).encode()).hexdigest()
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    kept = _read_record(record, fingerprint) if rank == 0 else None
-    if processes > 1:  # the main process decides for all: another run may be writing the record right now
+    decoded = Path(record).with_name(f"{Path(record).stem}-{cache_size}px.npy") if record and cache_size else None
+    kept = _read_record(record, fingerprint, decoded) if rank == 0 else None
+    if processes > 1:
         from accelerate.utils import broadcast_object_list
 
         kept = broadcast_object_list([kept])[0]
     if kept is not None:
         if rank == 0:
             print(f"image check of {len(files)} images read from {record} (the files have not changed)")
-        return [(Path(path), error) for path, error in kept]
-    share = files[rank::processes]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(decode, share, chunksize=64))
-    mine = [(str(path), f"{result}") for path, result in zip(share, results) if isinstance(result, Exception)]
-    bad, shares = (mine, [len(share)]) if processes == 1 else _gather_lists(accelerator, mine, len(share))
+        return [(Path(path), error) for path, error in kept], _map(decoded)
+
+    cache = None
+    if cache_size:  # one decode per machine, into the file every process maps
+        if accelerator is None or accelerator.is_local_main_process:
+            bad, cache = _decode_into(files, decode, decoded, cache_size)
+        bad = _broadcast(accelerator, bad if rank == 0 else None)
+        shares = [len(files)]
+        if accelerator:
+            accelerator.wait_for_everyone()
+        if cache is None:  # another process's file; or none could be written: decode here, in memory
+            cache = _map(decoded)
+            if cache is None:
+                bad, cache = _decode_into(files, decode, None, cache_size)
+    else:
+        share = files[rank::processes]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(decode, share, chunksize=64))
+        mine = [(str(path), f"{result}") for path, result in zip(share, results) if isinstance(result, Exception)]
+        bad, shares = (mine, [len(share)]) if processes == 1 else _gather_lists(accelerator, mine, len(share))
     order = {str(path): i for i, path in enumerate(files)}
-    bad.sort(key=lambda item: order[item[0]])
+    bad = sorted(((str(path), str(error)) for path, error in bad), key=lambda item: order[item[0]])
     if rank == 0:
-        print(f"checked {len(files)} images on {processes} process(es) ({' + '.join(map(str, shares))})"
-              + (f", kept in {record}" if record else ""))
+        print(f"checked {len(files)} images on {len(shares)} process(es) ({' + '.join(map(str, shares))})"
+              + (f", kept in {record}" if record else "")
+              + (f"; decoded once for this machine into {decoded.name}" if decoded and decoded.exists() else ""))
     if record is not None and rank == 0:
-        try:
-            text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
-                               "bad": bad})
-            tmp = Path(record).with_name(f"{Path(record).name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, record)
-        except OSError:
-            pass
-    return [(Path(path), error) for path, error in bad]
+        text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
+                           "decoded": decoded.name if decoded and decoded.exists() else None, "bad": bad})
+        _write_quietly(Path(record), lambda tmp: tmp.write_text(text))
+    return [(Path(path), error) for path, error in bad], cache
 
 
-def _read_record(record, fingerprint):
-    """The bad list a check of these very files kept in `record`, or None (no record, another list, damaged)."""
+def _decode_into(files, decode, path, cache_size):
+    """([(file, error)], uint8 (N, 3, S, S) of every file, zeros for the bad): into the .npy `path` (written
+    under a temporary name, then renamed) and mapped back, or in memory when `path` is None or unwritable."""
+    results = [None] * len(files)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for i, result in enumerate(pool.map(decode, files, chunksize=64)):
+            results[i] = result
+    bad = [(str(file), f"{result}") for file, result in zip(files, results) if isinstance(result, Exception)]
+    blank = torch.zeros(3, cache_size, cache_size, dtype=torch.uint8)
+    images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
+    if path is not None and _write_quietly(path, lambda tmp: np.save(tmp, images.numpy())):
+        return bad, _map(path)
+    return bad, images
+
+
+def _map(path):
+    """The .npy cache memory-mapped (copy on write: never written, and no warning about a read-only array), or
+    None when there is none."""
+    if path is None or not path.exists():
+        return None
+    return torch.from_numpy(np.load(path, mmap_mode="c"))
+
+
+def _write_quietly(path, write):
+    """Write through a per-process temporary name and rename; False when the folder cannot be written."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+
+
+def _broadcast(accelerator, value):
+    if accelerator is None or accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
+def _read_record(record, fingerprint, decoded=None):
+    """The bad list a check of these very files kept in `record` (and, when `decoded` is asked for, with that
+    cache written), or None (no record, another list, no cache, damaged)."""
     try:
         kept = json.loads(Path(record).read_text())
-        return [(str(path), str(error)) for path, error in kept["bad"]] if kept["fingerprint"] == fingerprint else None
+        if kept["fingerprint"] != fingerprint or (decoded and not (kept["decoded"] == decoded.name
+                                                                   and decoded.exists())):
+            return None
+        return [(str(path), str(error)) for path, error in kept["bad"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -279,13 +335,14 @@ def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_si
     good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size,
                                     accelerator=accelerator, record=record)
     dataset = ImageFileDataset([split["files"][i] for i in good], [split["labels"][i] for i in good], classes,
-                               transform=transform, cache=cache, seed=seed)
+                               transform=transform, cache=cache, cache_rows=good, seed=seed)
     dataset.left_out = [path for path, _ in bad]
     return dataset
 
 
 class ImageFileDataset(torch.utils.data.Dataset):
-    """Images from files, or from a uint8 cache, transformed per sample; items are dicts like InMemoryDataset's.
+    """Images from files, or from a uint8 cache (its `cache_rows`), transformed per sample; items are dicts like
+    InMemoryDataset's.
 
     With `seed`, each sample's random augmentation is drawn from a generator seeded by (seed, epoch, index):
     a function of the sample alone, not of which DataLoader worker made it or when, so a run resumed in the
@@ -293,9 +350,10 @@ class ImageFileDataset(torch.utils.data.Dataset):
     through shared memory, which the workers see.
     """
 
-    def __init__(self, files, labels, classes, *, transform, cache=None, seed=None):
+    def __init__(self, files, labels, classes, *, transform, cache=None, cache_rows=None, seed=None):
         self.files, self.labels, self.classes = list(files), torch.tensor(labels), list(classes)
         self.transform, self.cache, self.seed = transform, cache, seed
+        self.cache_rows = cache_rows if cache_rows is not None else range(len(self.files))  # cache row of each
         self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
 
     def set_epoch(self, epoch):
@@ -305,7 +363,7 @@ class ImageFileDataset(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, index):
-        image = self.cache[index] if self.cache is not None else read_image(self.files[index])
+        image = self.cache[self.cache_rows[index]] if self.cache is not None else read_image(self.files[index])
         if self.seed is None:
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
         # fork_rng: with no workers this runs in the training process, whose own random stream must not move

@@ -97,7 +97,8 @@ def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
         check_images([*good, truncated, garbage], skip_bad_images=False)
     kept, bad, cache = check_images([*good, truncated, garbage], skip_bad_images=True, cache_size=40)
     assert kept == [0, 1] and [path for path, _ in bad] == [truncated, garbage]
-    assert cache.shape == (2, 3, 40, 40) and cache.dtype == torch.uint8
+    assert cache.shape == (4, 3, 40, 40) and cache.dtype == torch.uint8  # a row for each file, read with kept
+    assert cache[kept].float().mean() > 10 and not cache[2:].any()
 
 
 def test_the_image_check_is_kept_with_a_fingerprint_and_redone_when_a_file_changes(tmp_path, seedlings):
@@ -118,21 +119,30 @@ def test_the_image_check_is_kept_with_a_fingerprint_and_redone_when_a_file_chang
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cache", [False, True], ids=["files", "cache_images"])
 def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second_run_reads_the_check(tmp_path,
-                                                                                                      seedlings):
+                                                                                                      seedlings, cache):
+    """Without --cache_images each process checks half; with it the machine's main process decodes all of
+    them once into an .npy file that both processes map, and a second run maps it without decoding."""
     data = shutil.copytree(seedlings, tmp_path / "data")
     for name in ("truncated.png", "not_an_image.png"):
         shutil.copy(FIXTURES / "odd_images" / name, data / "Maize" / f"zz_{name}")
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", data, "--model", "resnet18", "--image_size", 48, "--epochs",
-               1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images"]
+               1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images", *(["--cache_images"] if cache else [])]
     first = launch(*command, "--output_dir", tmp_path / "first")
     assert first.returncode == 0, first.output
     records = [json.loads((data / f".checked-{split}.json").read_text()) for split in ("train", "val")]
     assert sum(record["images"] for record in records) == 87
-    for record in records:  # every image checked once, half by each process
+    for record in records:  # every image checked once: half by each process, or all by the main one
         assert sum(record["checked_per_process"]) == record["images"]
-        assert max(record["checked_per_process"]) - min(record["checked_per_process"]) <= 1
-        assert f"checked {record['images']} images on 2 process(es)" in first.output
+        if cache:
+            assert record["checked_per_process"] == [record["images"]]
+            decoded = np.load(data / record["decoded"], mmap_mode="r")
+            assert decoded.shape == (record["images"], 3, 55, 55) and decoded.dtype == np.uint8
+            assert f"decoded once for this machine into {record['decoded']}" in first.output
+        else:
+            assert max(record["checked_per_process"]) - min(record["checked_per_process"]) <= 1
+            assert f"checked {record['images']} images on 2 process(es)" in first.output
     assert sorted(Path(path).name for record in records for path, _ in record["bad"]) == [
         "zz_not_an_image.png", "zz_truncated.png"]
     # both processes left out the same two files: else their datasets would differ and training would fail
