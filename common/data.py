@@ -119,6 +119,28 @@ def preprocess(images, *, mean, std, padding=0, flip=False, cutout=0, erasing=0.
     return images
 
 
+def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), degrees=30.0):
+    """The folder datasets' training augmentation on the device, for a batch at once: per sample a random
+    resized crop (`scale` of the area, aspect `ratio`), horizontal and vertical flips and a rotation of up to
+    `degrees`, as one affine map sampled bilinearly (affine_grid + grid_sample). uint8 or float (N, C, H, W)
+    in, float (N, C, size, size) on the 0-255 scale out, for `preprocess`; corners rotated in are black."""
+    n, device = len(images), images.device
+    area = torch.empty(n, device=device).uniform_(*scale)
+    aspect = torch.empty(n, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
+    width, height = (area * aspect).sqrt().clamp(max=1), (area / aspect).sqrt().clamp(max=1)  # of the input
+    center_x = (torch.rand(n, device=device) * 2 - 1) * (1 - width)
+    center_y = (torch.rand(n, device=device) * 2 - 1) * (1 - height)
+    flip_x = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
+    flip_y = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
+    angle = torch.empty(n, device=device).uniform_(-degrees, degrees).deg2rad()
+    cos, sin = angle.cos(), angle.sin()
+    # output grid (x, y) in [-1, 1] -> rotate -> flip and scale to the crop -> move to its center
+    theta = torch.stack([torch.stack([width * flip_x * cos, -width * flip_x * sin, center_x], 1),
+                         torch.stack([height * flip_y * sin, height * flip_y * cos, center_y], 1)], 1)
+    grid = F.affine_grid(theta, (n, images.shape[1], size, size), align_corners=False)
+    return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
 def _erase(images, top, left, box_h, box_w):
     """Zero each sample's rectangle [top, top + box_h) x [left, left + box_w) (clipped to the image)."""
     _, _, height, width = images.shape

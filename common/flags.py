@@ -140,7 +140,7 @@ def check_args(args):
 
 # flags that say where a run lives, how it loads data, how it reports and how fast it computes, not what it
 # computes: a resumed run takes them from the command line, and every other argument from its checkpoint.
-# A script adds its own (train_seedlings.py: --num_workers, --cache_images).
+# A script adds its own (train_seedlings.py: --num_workers).
 RUNTIME_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
                 "report_to", "channels_last", "compile", "dist_timeout"}
 

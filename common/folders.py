@@ -297,16 +297,17 @@ def _gather_lists(accelerator, bad, count):
     return [item for mine, _ in gathered for item in mine], [count for _, count in gathered]
 
 
-def build_train_transform(image_size, auto_augment="none"):
+def build_train_transform(image_size, auto_augment="none", *, geometry=True):
     """Per-sample augmentation, PIL or uint8 tensor in, uint8 (3, S, S) tensor out: random resized crop,
     horizontal and vertical flips, rotation (seedlings are photographed from above, so any orientation is a
-    real one), then torchvision's TrivialAugmentWide or RandAugment (default settings) if asked for."""
+    real one), then torchvision's TrivialAugmentWide or RandAugment (default settings) if asked for. Without
+    `geometry` only the policy: the cached path does the rest on the device (common.data.random_resized_crop)."""
     from torchvision.transforms import v2  # imported here: the in-memory datasets do not need it
 
     policy = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}[auto_augment]
-    return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
-                       v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), v2.RandomRotation(30), *policy,
-                       v2.ToPureTensor()])
+    crop = [v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip(),
+            v2.RandomVerticalFlip(), v2.RandomRotation(30)] if geometry else []
+    return v2.Compose([v2.ToImage(), *crop, *policy, v2.ToPureTensor()])
 
 
 def build_eval_transform(spec):

@@ -38,7 +38,7 @@ from timm.utils import ModelEmaV3
 from timm.data import Mixup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.data import preprocess  # noqa: E402
+from common.data import preprocess, random_resized_crop  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
@@ -90,7 +90,7 @@ def parse_args(argv=None):
 
 def main(args):
     # --resume: the checkpoint's arguments, but for the loading flags
-    args, checkpoint = resolve_args(args, parse_args=parse_args, runtime={"num_workers", "cache_images"})
+    args, checkpoint = resolve_args(args, parse_args=parse_args, runtime={"num_workers"})
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
@@ -113,8 +113,10 @@ def main(args):
     folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
                              cache_size=resize_size(args.image_size) if args.cache_images else None,
                              accelerator=accelerator)
-    train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment),
-                               seed=args.seed, record=Path(args.data_dir) / ".checked-train.json")
+    # with --cache_images the workers only copy bytes: crop, flips and rotation happen on the device
+    train_set = folder_dataset(train_split, transform=build_train_transform(
+        args.image_size, args.auto_augment, geometry=not args.cache_images), seed=args.seed,
+        record=Path(args.data_dir) / ".checked-train.json")
     eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]),
                               record=Path(args.data_dir) / ".checked-val.json")
     for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
@@ -131,7 +133,11 @@ def main(args):
     if len(train_dataloader) == 0:
         raise UserError(f"{len(train_set)} training images make no full batch of --batch_size {args.batch_size}: "
                         "lower it")
-    train_transform = partial(preprocess, mean=mean, std=std, erasing=args.random_erasing)  # on the device
+    normalise = partial(preprocess, mean=mean, std=std, erasing=args.random_erasing)  # on the device
+
+    def train_transform(images):
+        return normalise(random_resized_crop(images, size=args.image_size) if args.cache_images else images)
+
     eval_transform = partial(preprocess, mean=mean, std=std)
 
     # model and optimisation

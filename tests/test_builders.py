@@ -11,7 +11,7 @@ from PIL import Image
 
 from common.errors import UserError
 from common.data import (CIFAR10_CLASSES, build_cifar10, build_dataloader, build_digits, build_mnist,
-                         load_image_folder, preprocess, read_idx)
+                         load_image_folder, preprocess, random_resized_crop, read_idx)
 from common.models import build_model
 from conftest import FASHION_MNIST, require, write_idx
 
@@ -202,6 +202,21 @@ def test_random_erasing_erases_a_rectangle_of_2_to_33_percent_in_a_share_of_the_
     assert min(areas) >= 0.015 and max(areas) <= 0.36 and 0.14 < sum(areas) / len(areas) < 0.21
     assert any(height > 2 * width for _, height, width in erased)  # aspect ratios from 0.3 to 3.3
     assert any(width > 2 * height for _, height, width in erased)
+
+
+def test_device_random_resized_crop_maps_each_image_by_its_own_affine_map():
+    torch.manual_seed(0)
+    image = torch.arange(3 * 16 * 16).remainder(251).to(torch.uint8).view(1, 3, 16, 16)
+    same_size = random_resized_crop(image.expand(64, -1, -1, -1), size=16, scale=(1, 1), ratio=(1, 1), degrees=0)
+    variants = {"none": image[0], "h": image[0].flip(2), "v": image[0].flip(1), "hv": image[0].flip(1, 2)}
+    seen = [next(name for name, want in variants.items() if torch.allclose(out, want.float(), atol=1e-3))
+            for out in same_size]  # the whole image, exactly, mirrored or not
+    assert set(seen) == set(variants)
+    out = random_resized_crop(image.expand(64, -1, -1, -1), size=8)
+    assert out.shape == (64, 3, 8, 8) and out.dtype == torch.float32 and out.min() >= 0 and out.max() <= 255
+    assert len({tuple(o.flatten().round().tolist()) for o in out}) == 64  # a crop, flip and angle of its own
+    quarter = random_resized_crop(image, size=16, scale=(1, 1), ratio=(1, 1), degrees=0)  # the RNG moved
+    assert quarter.shape == (1, 3, 16, 16)
 
 
 # --- models --------------------------------------------------------------------------------------
