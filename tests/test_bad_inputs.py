@@ -27,7 +27,8 @@ SCRIPTS = REPO / "scripts"
 ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
 TOOLS = {"train_mnist.py": [], "train_cifar.py": [], "train_seedlings.py": [], "benchmark.py": [],
          "predict.py": ["--model_dir", "m", "x.png"], "compute_mean_std.py": ["folder"],
-         "split_dataset.py": ["source", "target"]}
+         "split_dataset.py": ["source", "target"], "evaluate.py": ["--model_dir", "m"],
+         "export.py": ["--model_dir", "m", "--output", "m.onnx", "--check_images", "x.png"], "benchmark_folders.py": []}
 
 
 def assert_refused(result, *phrases):
@@ -79,7 +80,8 @@ BAD_FLAGS = [
     ("train_seedlings.py", "--val_fraction", "1"), ("train_seedlings.py", "--mixup_prob", "1.5"),
     ("train_seedlings.py", "--mixup_alpha", "-1"),
     ("predict.py", "--batch_size", "0"), ("predict.py", "--top_k", "-1"), ("predict.py", "--top_k", "0"),
-    ("predict.py", "--device", "gpu0"), ("benchmark.py", "--images", "0"), ("benchmark.py", "--repeats", "0"),
+    ("predict.py", "--device", "gpu0"), ("evaluate.py", "--batch_size", "0"), ("export.py", "--tolerance", "nan"),
+    ("benchmark_folders.py", "--sizes", "1000,x"), ("benchmark.py", "--images", "0"), ("benchmark.py", "--repeats", "0"),
     ("split_dataset.py", "--val_fraction", "1"), ("split_dataset.py", "--seed", "-1"),
 ]
 

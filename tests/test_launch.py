@@ -159,3 +159,17 @@ def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
     # the speed claims are measured and recorded in BENCHMARKS.md; a test only checks the arithmetic
     assert bench["data_speedup_median"] == pytest.approx(statistics.median(bench["data_ours"])
                                                          / statistics.median(bench["data_seed"]))
+
+
+def test_folder_benchmark_measures_start_up_and_memory_on_1_and_2_processes(tmp_path):
+    result = run_command([sys.executable, REPO / "scripts" / "benchmark_folders.py", "--sizes", 120, "--batches", 2,
+                          "--work_dir", tmp_path])
+    assert result.returncode == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [row.get("processes") for row in rows] == [1, 2, None]
+    for row in rows[:2]:  # a start-up, RSS and PSS for every process, from /proc
+        assert row["cold_startup_s"] > 0 and row["warm_startup_s"] > 0
+        assert len(row["pss_mb_per_process"]) == row["processes"] and min(row["pss_mb_per_process"]) > 0
+    assert set(rows[2]["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "seed_pipeline"}
+    assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
+    assert "| 120 | 2 |" in result.output

@@ -1,0 +1,199 @@
+"""How the folder data path grows: start-up, memory per process and images/s against dataset size.
+
+    python scripts/benchmark_folders.py --sizes 1000,10000,100000 --work_dir /tmp/folder-growth
+
+For each size it writes a folder of that many small JPEGs (10 classes, --image_px, generated here, kept in
+--work_dir for the next run), then for 1 and 2 processes (`accelerate launch`, accelerate_configs/cpu.yaml)
+builds the seedlings training set as train_seedlings.py does with --cache_images twice: a cold start (no
+check record, no decoded cache) and a warm one (both read back). Each process reports its start-up time
+and, once the set is built and its cache touched, its resident memory (RSS) and its proportional share
+of it (PSS: a page shared by 2 processes counts half for each), from /proc. Then the data path's images/s
+on one process: files decoded and augmented by PIL in one DataLoader worker; the cache with the crop,
+flips and rotation on the device; and the seed post's pipeline (PIL, torchvision transforms, ToTensor,
+Normalize, no workers), each divided by the cores it keeps busy. One table row per size and process count.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # find common/ from any working directory
+from common.errors import run_main  # noqa: E402
+from common.flags import ArgumentParser, positive_int  # noqa: E402
+
+CLASSES = 10
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=sizes, default="1000,10000",
+                        help="dataset sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--work_dir", default="/tmp/folder-growth", help="where the generated folders go")
+    parser.add_argument("--image_px", type=positive_int, default=64, help="generated image side (default: %(default)s)")
+    parser.add_argument("--image_size", type=positive_int, default=48, help="training crop (default: %(default)s)")
+    parser.add_argument("--batches", type=positive_int, default=20, help="batches timed per data path")
+    parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # one process's measurement (internal)
+    return parser.parse_args(argv)
+
+
+def sizes(text):
+    """An argparse `type`: comma-separated positive whole numbers."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes as positive whole numbers, e.g. 1000,10000")
+    return values
+
+
+def generate(folder, count, px):
+    """`count` JPEGs of smooth random colours in 10 class folders, unless the folder holds them already."""
+    if (folder / ".complete").exists():
+        return
+    rng = np.random.default_rng(0)
+    for label in range(CLASSES):
+        (folder / f"class_{label}").mkdir(parents=True, exist_ok=True)
+    base = np.linspace(0, 1, px)[None, :, None]
+    for i in range(count):
+        colour = rng.uniform(0, 255, size=(1, 1, 3))
+        pixels = (colour * base + rng.uniform(0, 40, size=(px, px, 3))).clip(0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"class_{i % CLASSES}" / f"{i:06d}.jpg", quality=90)
+    (folder / ".complete").touch()
+
+
+def memory_mb():
+    """(RSS, PSS) of this process in MB, from /proc (PSS from smaps_rollup, Linux 4.14+)."""
+    rss = pss = float("nan")
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("Pss:"):
+            pss = int(line.split()[1]) / 1024
+    return rss, pss
+
+
+def probe(args):
+    """Run under accelerate launch: build the training set as train_seedlings.py does, report as JSON."""
+    start = time.perf_counter()
+    from common.distributed import build_accelerator
+    from common.folders import build_folder_dataset, build_train_transform, find_splits, resize_size
+
+    accelerator = build_accelerator()
+    train_split, _, classes, _ = find_splits(args.probe, val_fraction=0.3, seed=42)
+    dataset = build_folder_dataset(train_split, classes=classes, skip_bad_images=False,
+                                   cache_size=resize_size(args.image_size), accelerator=accelerator,
+                                   transform=build_train_transform(args.image_size, geometry=False),
+                                   record=Path(args.probe) / ".checked-train.json")
+    startup = time.perf_counter() - start
+    checksum = int(dataset.cache[list(dataset.cache_rows)].sum())  # every image read once: its pages are in
+    rss, pss = memory_mb()
+    from accelerate.utils import gather_object
+
+    mine = {"rank": accelerator.process_index, "startup_s": startup, "rss_mb": rss, "pss_mb": pss,
+            "images": len(dataset), "checksum": checksum}
+    for report in gather_object([mine]):  # the main process prints every process's line, one by one
+        accelerator.print("PROBE " + json.dumps(report), flush=True)
+
+
+def launch_probes(folder, processes, args):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes), __file__,
+               "--probe", str(folder), "--image_size", str(args.image_size)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    found = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    if result.returncode != 0 or len(found) != processes:
+        raise RuntimeError(f"probe failed:\n{result.stdout}\n{result.stderr}")
+    return found
+
+
+def data_path_rates(folder, args):
+    """images/s per busy core: files + PIL in a worker, cache + device augmentation, the seed's pipeline."""
+    from torchvision import transforms
+
+    from common.data import preprocess, random_resized_crop
+    from common.folders import ImageFileDataset, build_file_dataloader, build_train_transform, find_splits
+
+    train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)
+    files, labels = train_split["files"], train_split["labels"]
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+    def rate(loader, step, cores):
+        batches = iter(loader)
+        next(batches)  # warm-up: workers started, first pages read
+        start, count = time.perf_counter(), 0
+        for _, batch in zip(range(args.batches), batches):
+            count += len(step(batch))
+        return count / (time.perf_counter() - start) / cores
+
+    files_set = ImageFileDataset(files, labels, classes, transform=build_train_transform(args.image_size))
+    cached = np.load(folder / f".checked-train-{round(args.image_size / 0.875)}px.npy", mmap_mode="c")
+    cache_set = ImageFileDataset(files, labels, classes, transform=build_train_transform(args.image_size,
+                                 geometry=False), cache=torch.from_numpy(cached))
+    seed_transform = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(0.35, 1.0)),
+                                         transforms.RandomHorizontalFlip(), transforms.RandomVerticalFlip(),
+                                         transforms.RandomRotation(30), transforms.ToTensor(),
+                                         transforms.Normalize(mean, std)])
+
+    class SeedStyle(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(files)
+
+        def __getitem__(self, index):
+            with Image.open(files[index]) as image:
+                return seed_transform(image.convert("RGB")), labels[index]
+
+    return {
+        "files_pil_worker": rate(build_file_dataloader(files_set, batch_size=64, shuffle=True, num_workers=1),
+                                 lambda b: preprocess(b["image"], mean=mean, std=std), cores=2),
+        "cache_device": rate(build_file_dataloader(cache_set, batch_size=64, shuffle=True, num_workers=1),
+                             lambda b: preprocess(random_resized_crop(b["image"], size=args.image_size),
+                                                  mean=mean, std=std), cores=2),
+        "seed_pipeline": rate(torch.utils.data.DataLoader(SeedStyle(), batch_size=64, shuffle=True),
+                              lambda b: b[0], cores=1),
+    }
+
+
+def main(args):
+    if args.probe:
+        return probe(args)
+    rows = []
+    for size in args.sizes:
+        folder = Path(args.work_dir) / f"images_{size}"
+        start = time.perf_counter()
+        generate(folder, size, args.image_px)
+        print(f"{size} images in {folder} ({time.perf_counter() - start:.0f} s to generate)", flush=True)
+        for processes in (1, 2):
+            for stale in folder.glob(".checked-*"):
+                stale.unlink()
+            cold, warm = launch_probes(folder, processes, args), launch_probes(folder, processes, args)
+            row = {"images": size, "processes": processes,
+                   "cold_startup_s": max(p["startup_s"] for p in cold),
+                   "warm_startup_s": max(p["startup_s"] for p in warm),
+                   "rss_mb_per_process": [round(p["rss_mb"]) for p in warm],
+                   "pss_mb_per_process": [round(p["pss_mb"]) for p in warm]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        rates = data_path_rates(folder, args)
+        rows.append({"images": size, "images_per_s_per_core": {k: round(v) for k, v in rates.items()}})
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n| images | processes | start-up cold / warm (s) | RSS per process (MB) | PSS per process (MB) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        if "processes" in row:
+            print(f"| {row['images']:,} | {row['processes']} | {row['cold_startup_s']:.1f} / {row['warm_startup_s']:.1f} "
+                  f"| {' / '.join(map(str, row['rss_mb_per_process']))} | "
+                  f"{' / '.join(map(str, row['pss_mb_per_process']))} |")
+    return rows
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())
