@@ -102,6 +102,7 @@ def probe(args):
             "images": len(dataset), "checksum": checksum}
     for report in gather_object([mine]):  # the main process prints every process's line, one by one
         accelerator.print("PROBE " + json.dumps(report), flush=True)
+    accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
 
 
 def launch_probes(folder, processes, args):
@@ -110,8 +111,11 @@ def launch_probes(folder, processes, args):
                "--probe", str(folder), "--image_size", str(args.image_size)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     found = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
-    if result.returncode != 0 or len(found) != processes:
+    if len(found) != processes:
         raise RuntimeError(f"probe failed:\n{result.stdout}\n{result.stderr}")
+    if result.returncode != 0:  # seen about 1 run in 4 on 2 processes, after the results: "terminate called
+        # without an active exception" in one process at exit; not seen in the training scripts
+        print(f"note: a probe process failed at exit (code {result.returncode}) after reporting", file=sys.stderr)
     return found
 
 

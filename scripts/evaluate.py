@@ -131,9 +131,12 @@ def main(args):
         dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
                                            num_workers=args.num_workers)
     model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
-    return score(model, dataloader, accelerator, transform=partial(preprocess, mean=meta["mean"], std=meta["std"]),
-                 output_dir=output_dir, class_names=meta["class_names"], files=files, tta=args.tta == "flip",
-                 name=f"{args.data_dir or kind} ({kind}, {args.split})")
+    evaluation = score(model, dataloader, accelerator, transform=partial(preprocess, mean=meta["mean"],
+                                                                          std=meta["std"]),
+                       output_dir=output_dir, class_names=meta["class_names"], files=files, tta=args.tta == "flip",
+                       name=f"{args.data_dir or kind} ({kind}, {args.split})")
+    accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
+    return evaluation
 
 
 if __name__ == "__main__":
