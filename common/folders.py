@@ -192,11 +192,7 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
     fingerprint = hashlib.sha256("\n".join(stats).encode()).hexdigest()
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     decoded = Path(record).with_name(f"{Path(record).stem}-{cache_size}px.npy") if record and cache_size else None
-    kept = _read_record(record, fingerprint, decoded) if rank == 0 else None
-    if processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        kept = broadcast_object_list([kept])[0]
+    kept = _broadcast(accelerator, _read_record(record, fingerprint, decoded) if rank == 0 else None)
     if kept is not None:
         if rank == 0:
             print(f"image check of {len(files)} images read from {record} (the files have not changed)")
@@ -236,10 +232,8 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
 def _decode_into(files, decode, path, cache_size):
     """([(file, error)], uint8 (N, 3, S, S) of every file, zeros for the bad): into the .npy `path` (written
     under a temporary name, then renamed) and mapped back, or in memory when `path` is None or unwritable."""
-    results = [None] * len(files)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        for i, result in enumerate(pool.map(decode, files, chunksize=64)):
-            results[i] = result
+        results = list(pool.map(decode, files, chunksize=64))
     bad = [(str(file), f"{result}") for file, result in zip(files, results) if isinstance(result, Exception)]
     blank = torch.zeros(3, cache_size, cache_size, dtype=torch.uint8)
     images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
@@ -269,6 +263,7 @@ def _write_quietly(path, write):
 
 
 def _broadcast(accelerator, value):
+    """The main process's `value` on every process."""
     if accelerator is None or accelerator.num_processes == 1:
         return value
     from accelerate.utils import broadcast_object_list
