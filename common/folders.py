@@ -180,8 +180,8 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
 
     The main process reads `record` and decides for all (another run may be writing it right now). Without
     a fitting record: each process decodes every n-th file from its index and the bad lists are gathered;
-    with `cache_size` the main process of each machine decodes them all into the .npy file instead (threads),
-    and the others map it. The main process writes the record, with each process's share."""
+    with `cache_size` the processes of each machine share out its decode into the .npy file every one of them
+    then maps (`_decode_shared_out`). The main process writes the record, with each process's share."""
     stats = []
     for path in files:
         try:
@@ -198,24 +198,14 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
             print(f"image check of {len(files)} images read from {record} (the files have not changed)")
         return [(Path(path), error) for path, error in kept], _map(decoded)
 
-    cache = None
-    if cache_size:  # one decode per machine, into the file every process maps
-        if accelerator is None or accelerator.is_local_main_process:
-            bad, cache = _decode_into(files, decode, decoded, cache_size)
-        bad = _broadcast(accelerator, bad if rank == 0 else None)
-        shares = [len(files)]
-        if accelerator:
-            accelerator.wait_for_everyone()
-        if cache is None:  # another process's file; or none could be written: decode here, in memory
-            cache = _map(decoded)
-            if cache is None:
-                bad, cache = _decode_into(files, decode, None, cache_size)
+    if cache_size:  # one decode per machine, shared out among its processes, into the file every process maps
+        bad, shares, cache = _decode_shared_out(files, decode, decoded, cache_size, accelerator)
     else:
         share = files[rank::processes]
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            results = list(pool.map(decode, share, chunksize=64))
-        mine = [(str(path), f"{result}") for path, result in zip(share, results) if isinstance(result, Exception)]
+        mine = [(str(path), f"{result}") for path, result in zip(share, _decode_all(decode, share))
+                if isinstance(result, Exception)]
         bad, shares = (mine, [len(share)]) if processes == 1 else _gather_lists(accelerator, mine, len(share))
+        cache = None
     order = {str(path): i for i, path in enumerate(files)}
     bad = sorted(((str(path), str(error)) for path, error in bad), key=lambda item: order[item[0]])
     if rank == 0:
@@ -229,17 +219,66 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
     return [(Path(path), error) for path, error in bad], cache
 
 
-def _decode_into(files, decode, path, cache_size):
-    """([(file, error)], uint8 (N, 3, S, S) of every file, zeros for the bad): into the .npy `path` (written
-    under a temporary name, then renamed) and mapped back, or in memory when `path` is None or unwritable."""
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(decode, files, chunksize=64))
-    bad = [(str(file), f"{result}") for file, result in zip(files, results) if isinstance(result, Exception)]
-    blank = torch.zeros(3, cache_size, cache_size, dtype=torch.uint8)
-    images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
-    if path is not None and _write_quietly(path, lambda tmp: np.save(tmp, images.numpy())):
-        return bad, _map(path)
-    return bad, images
+def _decode_shared_out(files, decode, path, cache_size, accelerator):
+    """([(file, error)], each process's share, uint8 (N, 3, S, S) of every file, zeros for the bad).
+
+    The machine's main process makes the .npy file `path` under a temporary name; each process of the
+    machine decodes every n-th file into its rows; once all are done (the bad lists are gathered) the main
+    process renames it and every process maps it. Where it cannot be written (a read-only data folder, no
+    `path`), every process decodes all of them into memory instead."""
+    machine, rank, processes = (_machine(accelerator) if accelerator and accelerator.num_processes > 1
+                                else (0, 0, 1))
+    tmp = None
+    if path is not None and rank == 0:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
+        try:
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), 3, cache_size, cache_size)).flush()
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            tmp = None
+    if processes > 1:  # the machine's main process names its file to the machine's other processes
+        from accelerate.utils import gather_object
+
+        tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
+    if tmp is None:
+        results = _decode_all(decode, files)
+        blank = torch.zeros(3, cache_size, cache_size, dtype=torch.uint8)
+        images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
+        return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
+    rows = range(rank, len(files), processes)
+    cache = np.load(tmp, mmap_mode="r+")
+    mine = []
+    for row, result in zip(rows, _decode_all(decode, [files[row] for row in rows])):
+        if isinstance(result, Exception):
+            mine.append((str(files[row]), f"{result}"))
+        else:
+            cache[row] = result.numpy()
+    cache.flush()
+    del cache
+    if accelerator is None or accelerator.num_processes == 1:
+        bad, shares = mine, [len(rows)]
+    else:  # also the moment every process of every machine has written its rows
+        bad, shares = _gather_lists(accelerator, mine, len(rows))
+        bad = list(dict(bad).items())  # several machines: each image decoded once on each
+    if rank == 0:
+        os.replace(tmp, path)
+    if accelerator:
+        accelerator.wait_for_everyone()
+    return bad, shares, _map(path)
+
+
+def _machine(accelerator):
+    """(this machine's index, this process's index on it, the machine's process count), from torchrun's
+    environment: every machine runs LOCAL_WORLD_SIZE processes with consecutive ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    return accelerator.process_index // local, accelerator.local_process_index, local
+
+
+def _decode_all(decode, items):
+    """`decode` of each item, in order, on threads (PIL decodes without the GIL): one per core of this process's
+    share of the machine (`choose_num_workers`), at most 8."""
+    with ThreadPoolExecutor(max_workers=choose_num_workers()[0] + 1) as pool:
+        return list(pool.map(decode, items, chunksize=64))
 
 
 def _map(path):

@@ -4,10 +4,11 @@
 
 For each size it writes a folder of that many small JPEGs (10 classes, --image_px, generated here, kept in
 --work_dir for the next run), then for 1 and 2 processes (`accelerate launch`, accelerate_configs/cpu.yaml)
-builds the seedlings training set as train_seedlings.py does with --cache_images twice: a cold start (no
-check record, no decoded cache) and a warm one (both read back). Each process reports its start-up time
-and, once the set is built and its cache touched, its resident memory (RSS) and its proportional share
-of it (PSS: a page shared by 2 processes counts half for each), from /proc. Then the data path's images/s
+builds the seedlings training set as train_seedlings.py does, without and with --cache_images, twice each:
+a cold start (no check record, no decoded cache) and a warm one (both read back). Each process reports its
+start-up time and the CPU time it spent on it, and, with the cache, once the set is built and its cache
+touched, its resident memory (RSS) and its proportional share of it (PSS: a page shared by 2 processes
+counts half for each), from /proc. Then the data path's images/s
 on one process: files decoded and augmented by PIL in one DataLoader worker; the cache with the crop,
 flips and rotation on the device; and the seed post's pipeline (PIL, torchvision transforms, ToTensor,
 Normalize, no workers), each divided by the cores it keeps busy. One table row per size and process count.
@@ -41,6 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--image_size", type=positive_int, default=48, help="training crop (default: %(default)s)")
     parser.add_argument("--batches", type=positive_int, default=20, help="batches timed per data path")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # one process's measurement (internal)
+    parser.add_argument("--probe_cache", action="store_true", help=argparse.SUPPRESS)  # ... with --cache_images
     return parser.parse_args(argv)
 
 
@@ -83,32 +85,33 @@ def memory_mb():
 
 def probe(args):
     """Run under accelerate launch: build the training set as train_seedlings.py does, report as JSON."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     from common.distributed import build_accelerator
     from common.folders import build_folder_dataset, build_train_transform, find_splits, resize_size
 
     accelerator = build_accelerator()
     train_split, _, classes, _ = find_splits(args.probe, val_fraction=0.3, seed=42)
     dataset = build_folder_dataset(train_split, classes=classes, skip_bad_images=False,
-                                   cache_size=resize_size(args.image_size), accelerator=accelerator,
+                                   cache_size=resize_size(args.image_size) if args.probe_cache else None,
+                                   accelerator=accelerator,
                                    transform=build_train_transform(args.image_size, geometry=False),
                                    record=Path(args.probe) / ".checked-train.json")
-    startup = time.perf_counter() - start
-    checksum = int(dataset.cache[list(dataset.cache_rows)].sum())  # every image read once: its pages are in
+    startup, cpu = time.perf_counter() - start, time.process_time() - cpu
+    checksum = int(dataset.cache[list(dataset.cache_rows)].sum()) if args.probe_cache else 0  # pages read in
     rss, pss = memory_mb()
     from accelerate.utils import gather_object
 
-    mine = {"rank": accelerator.process_index, "startup_s": startup, "rss_mb": rss, "pss_mb": pss,
+    mine = {"rank": accelerator.process_index, "startup_s": startup, "cpu_s": cpu, "rss_mb": rss, "pss_mb": pss,
             "images": len(dataset), "checksum": checksum}
     for report in gather_object([mine]):  # the main process prints every process's line, one by one
         accelerator.print("PROBE " + json.dumps(report), flush=True)
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
 
 
-def launch_probes(folder, processes, args):
+def launch_probes(folder, processes, cache, args):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes), __file__,
-               "--probe", str(folder), "--image_size", str(args.image_size)]
+               "--probe", str(folder), "--image_size", str(args.image_size), *(["--probe_cache"] if cache else [])]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     found = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     if len(found) != processes:
@@ -176,26 +179,32 @@ def main(args):
         generate(folder, size, args.image_px)
         print(f"{size} images in {folder} ({time.perf_counter() - start:.0f} s to generate)", flush=True)
         for processes in (1, 2):
-            for stale in folder.glob(".checked-*"):
-                stale.unlink()
-            cold, warm = launch_probes(folder, processes, args), launch_probes(folder, processes, args)
-            row = {"images": size, "processes": processes,
-                   "cold_startup_s": max(p["startup_s"] for p in cold),
-                   "warm_startup_s": max(p["startup_s"] for p in warm),
-                   "rss_mb_per_process": [round(p["rss_mb"]) for p in warm],
-                   "pss_mb_per_process": [round(p["pss_mb"]) for p in warm]}
+            row = {"images": size, "processes": processes}
+            for cache in (False, True):
+                for stale in folder.glob(".checked-*"):
+                    stale.unlink()
+                cold, warm = launch_probes(folder, processes, cache, args), launch_probes(folder, processes, cache, args)
+                path = "cache" if cache else "files"
+                row |= {f"{path}_cold_startup_s": max(p["startup_s"] for p in cold),
+                        f"{path}_warm_startup_s": max(p["startup_s"] for p in warm),
+                        f"{path}_cold_cpu_s_per_process": [round(p["cpu_s"], 1) for p in cold]}
+            row |= {"rss_mb_per_process": [round(p["rss_mb"]) for p in warm],  # the cached path's, warm
+                    "pss_mb_per_process": [round(p["pss_mb"]) for p in warm]}
             rows.append(row)
             print(json.dumps(row), flush=True)
         rates = data_path_rates(folder, args)
         rows.append({"images": size, "images_per_s_per_core": {k: round(v) for k, v in rates.items()}})
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| images | processes | start-up cold / warm (s) | RSS per process (MB) | PSS per process (MB) |")
-    print("|---|---|---|---|---|")
+    print("\n| images | processes | start-up cold / warm (s): files | --cache_images | CPU s per process, cold: "
+          "files | --cache_images | RSS per process (MB) | PSS per process (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "processes" in row:
-            print(f"| {row['images']:,} | {row['processes']} | {row['cold_startup_s']:.1f} / {row['warm_startup_s']:.1f} "
-                  f"| {' / '.join(map(str, row['rss_mb_per_process']))} | "
-                  f"{' / '.join(map(str, row['pss_mb_per_process']))} |")
+            cells = [f"{row['images']:,}", row["processes"]]
+            cells += [f"{row[f'{path}_cold_startup_s']:.1f} / {row[f'{path}_warm_startup_s']:.1f}" for path in ("files", "cache")]
+            cells += [" / ".join(map(str, row[key])) for key in ("files_cold_cpu_s_per_process",
+                      "cache_cold_cpu_s_per_process", "rss_mb_per_process", "pss_mb_per_process")]
+            print("| " + " | ".join(map(str, cells)) + " |")
     return rows
 
 

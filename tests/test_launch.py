@@ -167,8 +167,10 @@ def test_folder_benchmark_measures_start_up_and_memory_on_1_and_2_processes(tmp_
     assert result.returncode == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [row.get("processes") for row in rows] == [1, 2, None]
-    for row in rows[:2]:  # a start-up, RSS and PSS for every process, from /proc
-        assert row["cold_startup_s"] > 0 and row["warm_startup_s"] > 0
+    for row in rows[:2]:  # start-ups of both paths, CPU time, RSS and PSS for every process, from /proc
+        for path in ("files", "cache"):
+            assert row[f"{path}_cold_startup_s"] > 0 and row[f"{path}_warm_startup_s"] > 0
+            assert len(row[f"{path}_cold_cpu_s_per_process"]) == row["processes"]
         assert len(row["pss_mb_per_process"]) == row["processes"] and min(row["pss_mb_per_process"]) > 0
     assert set(rows[2]["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "seed_pipeline"}
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120

@@ -18,7 +18,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from common.errors import UserError
-from common.folders import check_images, find_splits, list_image_folder, split_dataset
+from common.folders import (build_eval_transform, check_images, find_splits, list_image_folder, read_image,
+                            split_dataset)
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
@@ -122,8 +123,8 @@ def test_the_image_check_is_kept_with_a_fingerprint_and_redone_when_a_file_chang
 @pytest.mark.parametrize("cache", [False, True], ids=["files", "cache_images"])
 def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second_run_reads_the_check(tmp_path,
                                                                                                       seedlings, cache):
-    """Without --cache_images each process checks half; with it the machine's main process decodes all of
-    them once into an .npy file that both processes map, and a second run maps it without decoding."""
+    """Each process checks half of the images; with --cache_images it decodes its half into the one .npy file
+    of the machine, which both processes then map, and a second run maps it without decoding."""
     data = shutil.copytree(seedlings, tmp_path / "data")
     for name in ("truncated.png", "not_an_image.png"):
         shutil.copy(FIXTURES / "odd_images" / name, data / "Maize" / f"zz_{name}")
@@ -133,16 +134,22 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     assert first.returncode == 0, first.output
     records = [json.loads((data / f".checked-{split}.json").read_text()) for split in ("train", "val")]
     assert sum(record["images"] for record in records) == 87
-    for record in records:  # every image checked once: half by each process, or all by the main one
+    for record in records:  # every image checked once, half by each process
         assert sum(record["checked_per_process"]) == record["images"]
-        if cache:
-            assert record["checked_per_process"] == [record["images"]]
+        assert len(record["checked_per_process"]) == 2
+        assert max(record["checked_per_process"]) - min(record["checked_per_process"]) <= 1
+        assert f"checked {record['images']} images on 2 process(es)" in first.output
+        if cache:  # both halves in one file, every image where the evaluation transform puts it
             decoded = np.load(data / record["decoded"], mmap_mode="r")
             assert decoded.shape == (record["images"], 3, 55, 55) and decoded.dtype == np.uint8
             assert f"decoded once for this machine into {record['decoded']}" in first.output
-        else:
-            assert max(record["checked_per_process"]) - min(record["checked_per_process"]) <= 1
-            assert f"checked {record['images']} images on 2 process(es)" in first.output
+            files = find_splits(data, val_fraction=0.3, seed=42)[0 if record is records[0] else 1]["files"]
+            shrink = build_eval_transform({"resize": 55, "center_crop": 55})
+            bad = {Path(path) for path, _ in record["bad"]}
+            for row in (0, 1, len(files) - 1):
+                expected = np.zeros((3, 55, 55), np.uint8) if files[row] in bad else shrink(read_image(files[row])).numpy()
+                assert np.array_equal(decoded[row], expected), files[row]
+            assert not list(data.glob("*.tmp.npy"))
     assert sorted(Path(path).name for record in records for path, _ in record["bad"]) == [
         "zz_not_an_image.png", "zz_truncated.png"]
     # both processes left out the same two files: else their datasets would differ and training would fail
