@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import UserError
-from .outputs import PREVIOUS_RUN, RUN_FILES, remove_previous_run, write_atomically
+from .outputs import PREVIOUS_RUN, earlier_run, remove_previous_run, write_atomically
 from .models import build_model
 from .reporting import write_predictions
 
@@ -214,7 +214,7 @@ def find_checkpoint(output_dir, resume):
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
                         f"another checkpoint. {choose}")
     run_dir = path.resolve().parent.parent
-    if run_dir != output_dir.resolve() and any((output_dir / name).exists() for name in RUN_FILES):
+    if run_dir != output_dir.resolve() and earlier_run(output_dir):
         raise UserError(f"{path} comes from the run in {run_dir}, but --output_dir {output_dir} holds another run. "
                         f"Resume with --output_dir {run_dir}, or into an empty --output_dir.")
     return {**state, "path": path}

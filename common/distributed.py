@@ -37,6 +37,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     `dist_timeout` (seconds) bounds every collective: when a process hangs or its node is lost, the others
     fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
     """
+    join_after_restart(cpu=cpu or not torch.cuda.is_available(), dist_timeout=dist_timeout)
     accelerator = Accelerator(
         cpu=cpu or not torch.cuda.is_available(),
         mixed_precision=mixed_precision,
@@ -56,6 +57,25 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         raise UserError("mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so. "
                         "Pass --mixed_precision no (or bf16, which recent CPUs run), or use a config without fp16.")
     return accelerator
+
+
+def join_after_restart(*, cpu, dist_timeout=None):
+    """After a restart by torchrun (`accelerate launch --max_restarts N`), join the process group under keys of
+    this restart. Its static rendezvous hands the restarted processes the launcher's store as the first attempt
+    left it, and the process group's keys have no attempt in their names: the new processes read the dead
+    ones' addresses and fail to connect (gloo: "connectFullMesh failed ... Connection refused"; NCCL: the old
+    unique id). Accelerate then uses the group made here. Nothing is done on a first start."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
+        return
+    timeout = timedelta(seconds=dist_timeout or 600)
+    if not cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timeout)  # the launcher's own store, served by its agent
+    torch.distributed.init_process_group("gloo" if cpu else "nccl", store=torch.distributed.PrefixStore(
+        f"restart_{restart}", store), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout)
 
 
 def check_process_count(accelerator):

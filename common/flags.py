@@ -6,6 +6,7 @@ time with one line naming the flag, its range and the value given, never as a Py
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
@@ -74,8 +75,10 @@ def add_common_args(parser):
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run in --output_dir (it is kept in previous_run/ until this run's "
                              "first checkpoint)")
-    parser.add_argument("--resume", default=None, metavar="latest|PATH",
-                        help="continue a run: `latest` (the newest checkpoint in --output_dir) or a checkpoint folder")
+    parser.add_argument("--resume", default=None, metavar="latest|auto|PATH",
+                        help="continue a run: `latest` (the newest checkpoint in --output_dir), a checkpoint folder, "
+                             "or `auto`: continue when --output_dir holds a checkpoint of this very command, start "
+                             "when it holds none (for launcher restarts and requeued jobs)")
     parser.add_argument("--checkpoint_every", type=positive_int, default=None, metavar="N",
                         help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
     parser.add_argument("--keep_checkpoints", type=positive_int, default=2, metavar="K",
@@ -122,14 +125,30 @@ def resolve_args(args, *, parse_args, runtime=()):
     check_args(args)
     if not args.resume:
         return args, None
-    checkpoint = find_checkpoint(args.output_dir, args.resume)
+    if args.resume == "auto" and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
+        return argparse.Namespace(**{**vars(args), "resume": None}), None  # nothing saved yet: a new run
+    checkpoint = find_checkpoint(args.output_dir, "latest" if args.resume == "auto" else args.resume)
+    if args.resume == "auto":
+        check_same_run(args, checkpoint, runtime=runtime)
     return restore_args(args, checkpoint["args"], parse_args=parse_args, runtime=runtime), checkpoint
+
+
+def check_same_run(args, checkpoint, *, runtime=()):
+    """--resume auto continues only the run this very command started: every argument that says what the run
+    computes (all but RUNTIME_ARGS and `runtime`) as in the checkpoint."""
+    ours, shown = args_to_dict(args), lambda value: "unset" if value is None else value
+    differ = [f"--{name} {shown(saved)} there, {shown(ours.get(name))} here" for name, saved in checkpoint["args"].items()
+              if name not in RUNTIME_ARGS and name not in runtime and ours.get(name) != saved]
+    if differ:
+        raise UserError(f"--resume auto: {args.output_dir} holds another run ({'; '.join(differ)}). Continue that "
+                        "run with --resume latest (it keeps its own arguments), replace it with --overwrite in place "
+                        "of --resume, or choose another --output_dir.")
 
 
 def check_args(args):
     """The checks that concern several flags at once (each flag's own range is checked by its `type`)."""
     if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --output_dir and --overwrite deletes it: pass one of them")
+        raise UserError("--resume continues the run in --output_dir and --overwrite replaces it: pass one of them")
     if args.report_to in ("tensorboard", "wandb"):
         from accelerate.utils import is_tensorboard_available, is_wandb_available
 

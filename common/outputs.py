@@ -35,11 +35,14 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     check_not_inside(output_dir, inputs, flag="--output_dir")
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file: choose a folder (it is created if missing)")
-    earlier = [] if resume else [name for name in RUN_FILES if (output_dir / name).exists()]
+    earlier = [] if resume else earlier_run(output_dir)
     if earlier and not overwrite:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         raise UserError(
             f"{output_dir} already holds a run ({', '.join(earlier)}). Pass --resume latest to continue it, "
             "--overwrite to replace it, or choose another --output_dir."
+            + (f" This is the launcher's restart {restart} of the run: launch with --resume auto, and a restart "
+               "continues from the last checkpoint." if restart else "")
         )
     if accelerator.is_main_process:
         try:
@@ -56,6 +59,13 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     return output_dir
 
 
+def earlier_run(output_dir):
+    """The RUN_FILES in `output_dir`: a run was there. A checkpoints/ folder without `latest` holds only what a
+    save killed before its first checkpoint left, not a run."""
+    return [name for name in RUN_FILES if (output_dir / name).exists()
+            and (name != "checkpoints" or (output_dir / name / "latest").exists())]
+
+
 def set_aside_earlier_run(output_dir, accelerator):
     """Move an earlier run's outputs (an --overwrite) into output_dir/previous_run/, replacing an older one there.
 
@@ -65,7 +75,7 @@ def set_aside_earlier_run(output_dir, accelerator):
     Files of ours only: whatever else the folder holds (a scheduler's log, notes) stays where it is.
     """
     output_dir = Path(output_dir)
-    if accelerator.is_main_process and any((output_dir / name).exists() for name in RUN_FILES):
+    if accelerator.is_main_process and earlier_run(output_dir):
         previous = output_dir / PREVIOUS_RUN
         shutil.rmtree(previous, ignore_errors=True)
         previous.mkdir()

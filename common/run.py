@@ -20,6 +20,7 @@ bar) in one small gather every CHECK_EVERY optimizer steps, or every LOOK_SECOND
 slow, before every checkpoint and at the end of each epoch.
 """
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -114,6 +115,12 @@ class TrainingRun:
             accelerator.wait_for_everyone()
             accelerator.print(f"resumed from {checkpoint['path']}: epoch {self.epoch}, batch {self.batch}, "
                               f"step {self.step} of {self.total_steps}")
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if restart:  # accelerate launch --max_restarts: a process ended and the launcher started them all again
+            accelerator.print(f"restart {restart} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
+                              "(--max_restarts) after a process ended: "
+                              + (f"the steps after step {self.step} are trained again" if checkpoint else
+                                 "no checkpoint had been saved, so the run starts over"))
         catch_sigterm()
 
     # ---- the epoch loop ----

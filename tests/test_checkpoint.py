@@ -1,6 +1,7 @@
 """Checkpoints and resuming: exact resume (1 and 2 processes), SIGTERM, SIGKILL during a save, refusals."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -14,7 +15,8 @@ from common.checkpoint import _publish
 from common.run import checkpoint_name
 from common.errors import UserError, run_main
 from common.flags import restore_args
-from conftest import REPO, kill_everything, launch_command, load_script, run_command, spawn, wait_for
+from conftest import (REPO, kill_everything, launch_command, load_script, run_command, spawn, wait_for,
+                      worker_pid)
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
@@ -228,15 +230,49 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path
 
 
 @pytest.mark.slow
+def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_uninterrupted_one(tmp_path, reference):
+    """`accelerate launch --max_restarts 1` + `--resume auto`: a SIGKILLed process after the first checkpoint;
+    the launcher starts both processes again, they continue from the last checkpoint, and the launch exits 0
+    with the weights, optimizer state, metrics.jsonl and best/ of the run that was never interrupted."""
+    output_dir = tmp_path / "run"
+    launcher = spawn(launch_command("--max_restarts", 1, MNIST, *DIGITS, "--output_dir", output_dir,
+                                    "--checkpoint_every", 10, "--keep_checkpoints", 100, "--resume", "auto"),
+                     log=tmp_path / "log")
+    try:
+        wait_for(lambda: (output_dir / "checkpoints" / "latest").exists(), launcher)
+        os.kill(worker_pid(launcher.pid, rank=1), signal.SIGKILL)
+        code = launcher.wait(timeout=300)
+    finally:
+        kill_everything(launcher)
+    output = (tmp_path / "log").read_text()
+    assert code == 0, output
+    found = re.search(r"resumed from \S+/(epoch_00[1-4]_batch_\d{6}): epoch \d, batch \d+, step (\d+) of 172\n"
+                      r"restart 1 of at most 1 \(--max_restarts\) after a process ended: the steps after step "
+                      r"(\d+) are trained again", output)
+    assert found and found.group(2) == found.group(3), output
+    assert_same_run(output_dir, reference(2))
+    # each epoch's line once, in order: the restart did not repeat the epochs before its checkpoint
+    assert re.findall(r"^epoch (\d)/4 ", output, re.MULTILINE) == ["1", "2", "3", "4"], output
+
+
+@pytest.mark.slow
 def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
-    finished = tmp_path / "finished"
+    finished, only_best = tmp_path / "finished", tmp_path / "only_best"
     shutil.copytree(reference(1), finished)
+    shutil.copytree(reference(1) / "best", only_best / "best")
     cases = [
         (["--output_dir", finished, "--resume", "latest"], "is the end of a finished run (step 340 of 340)"),
         (["--output_dir", finished, "--resume", "latest", "--lr", 0.5],
          "--lr is 0.5 on the command line but unset (its default) in the checkpoint"),
         (["--output_dir", tmp_path / "empty", "--resume", "latest"], "--resume latest: no checkpoint in"),
         (["--output_dir", finished, "--resume", "latest", "--overwrite"], "pass one of them"),
+        # --resume auto continues only the run of this very command
+        ([*DIGITS, "--output_dir", finished, "--resume", "auto"], "is the end of a finished run (step 340 of 340)"),
+        ([*DIGITS, "--output_dir", finished, "--resume", "auto", "--lr", 0.5, "--epochs", 5],
+         f"--resume auto: {finished} holds another run (--epochs 4 there, 5 here; --lr unset there, 0.5 here). "
+         "Continue that run with --resume latest"),
+        (["--output_dir", finished, "--resume", "auto"], "holds another run (--dataset digits there, mnist here;"),
+        ([*DIGITS, "--output_dir", only_best, "--resume", "auto"], f"{only_best} already holds a run (best)"),
         (["--output_dir", finished, "--resume", tmp_path], "is not a checkpoint (no trainer_state.json in it)"),
     ]
     corrupt = finished / "checkpoints" / "epoch_002_end" / "model.safetensors"

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from common.data import build_digits
@@ -30,20 +31,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def machine_command(rank, port, *args, main_ip="127.0.0.1", script=MNIST):
+def machine_command(rank, port, *args, main_ip="127.0.0.1", script=MNIST, launcher_args=()):
     """`accelerate launch` for machine `rank` of 2, one CPU process each, meeting at main_ip:port."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG, "--num_machines", 2,
             "--num_processes", 2, "--machine_rank", rank, "--main_process_ip", main_ip,
-            "--main_process_port", port, script, *args]
+            "--main_process_port", port, *launcher_args, script, *args]
 
 
-def run_machines(tmp_path, *args_per_machine, main_ip="127.0.0.1", prefixes=([], []), script=MNIST, timeout=300):
-    """Start both machines' launches at once (each command after its prefix); (return code, output) of each."""
+def run_machines(tmp_path, *args_per_machine, main_ip="127.0.0.1", prefixes=([], []), script=MNIST, timeout=300,
+                 launcher_args=(), during=None):
+    """Start both machines' launches at once (each command after its prefix), call `during` with both
+    launchers; (return code, output) of each."""
     port = free_port()
-    processes = [spawn([*prefix, *machine_command(rank, port, *args, main_ip=main_ip, script=script)],
-                       log=tmp_path / f"machine{rank}.log")
+    processes = [spawn([*prefix, *machine_command(rank, port, *args, main_ip=main_ip, script=script,
+                                                  launcher_args=launcher_args)], log=tmp_path / f"machine{rank}.log")
                  for rank, (prefix, args) in enumerate(zip(prefixes, args_per_machine))]
     try:
+        if during:
+            during(processes)
         codes = [process.wait(timeout=timeout) for process in processes]
     finally:
         for process in processes:
@@ -105,6 +110,36 @@ def test_two_machines_train_one_model(tmp_path, network, request):
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
     assert not [p.name for p in output_dir.iterdir() if p.name.startswith(".")]  # no probe or temporary left
+
+
+def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    """Two machines with --max_restarts 1: SIGKILL machine 1's process after the first checkpoint. Each
+    machine's launcher starts its process again, they meet again through the same rendezvous, continue from
+    the checkpoint and end as a 2-process run that was never interrupted."""
+    args = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16, "--checkpoint_every", 10]
+    reference = run_command(launch_command(MNIST, *args, "--output_dir", tmp_path / "reference"))
+    assert reference.returncode == 0, reference.output
+    output_dir = tmp_path / "run"
+
+    def kill_after_the_first_checkpoint(launchers):
+        wait_for(lambda: (output_dir / "checkpoints" / "latest").exists(), launchers[1])
+        os.kill(worker_pid(launchers[1].pid, rank=1), signal.SIGKILL)
+
+    both = [*args, "--output_dir", output_dir, "--resume", "auto"]
+    (code0, out0), (code1, out1) = run_machines(tmp_path, both, both, launcher_args=["--max_restarts", 1],
+                                                during=kill_after_the_first_checkpoint)
+    assert code0 == 0 and code1 == 0, out0 + out1
+    for output in (out0, out1):  # both launchers restarted their process, once
+        assert output.count("restart 1 of at most 1 (--max_restarts) after a process ended") == 1, output
+    times = ("images_per_s", "train_time_s", "epoch_time_s")
+    ours, theirs = ([{k: v for k, v in record.items() if k not in times} for record in read_run(run)[0]]
+                    for run in (output_dir, tmp_path / "reference"))
+    assert [record["epoch"] for record in ours] == [1, 2, 3, 4]
+    assert all(a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
+               for a, b in zip(ours, theirs)), (ours, theirs)
+    weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors")
+               for run in (output_dir, tmp_path / "reference")]
+    assert all(torch.allclose(weights[0][k].float(), weights[1][k].float(), atol=1e-6) for k in weights[1])
 
 
 def test_an_output_dir_the_machines_do_not_share_is_refused(tmp_path):
@@ -180,7 +215,7 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     requeued = run_command(job, env=env)  # the same job started again, as `--requeue` does
     logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
     assert requeued.returncode == 0, requeued.output + "".join(logs)
-    assert f"output {output_dir} --resume latest" in requeued.output
+    assert f"output {output_dir}, up to 2 restarts, continuing its latest checkpoint" in requeued.output
     assert "resumed from" in logs[0]
     metrics, report = read_run(output_dir)
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
@@ -189,10 +224,10 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
 
 # ---- a process fails ----
 
-def start_long_run(tmp_path, *extra):
+def start_long_run(tmp_path, *extra, launcher_args=()):
     """2 processes on digits for long enough to be interrupted; returns the launcher once epoch 1 is saved."""
     output_dir = tmp_path / "run"
-    launcher = spawn(launch_command(MNIST, "--dataset", "digits", "--epochs", 200, "--batch_size", 16,
+    launcher = spawn(launch_command(*launcher_args, MNIST, "--dataset", "digits", "--epochs", 200, "--batch_size", 16,
                                     "--output_dir", output_dir, *extra), log=tmp_path / "log")
     wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), launcher)
     return launcher
@@ -210,6 +245,26 @@ def test_a_killed_process_ends_the_whole_launch(tmp_path):
     output = (tmp_path / "log").read_text()
     assert code != 0 and took < 60, (code, took, output)
     # torchrun names the dead process as the root cause
+    assert re.search(r"Root Cause[^=]*rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", output), output
+
+
+def test_a_second_death_past_max_restarts_ends_the_launch(tmp_path):
+    """--max_restarts 1: the first SIGKILL is survived (both processes start again from the checkpoint), the
+    second ends the launch as a death without restarts does."""
+    launcher = start_long_run(tmp_path, "--resume", "auto", launcher_args=["--max_restarts", 1])
+    log = tmp_path / "log"
+    try:
+        first = worker_pid(launcher.pid, rank=1)
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: "restart 1 of at most 1" in log.read_text(), launcher)
+        os.kill(worker_pid(launcher.pid, rank=1), signal.SIGKILL)
+        code = launcher.wait(timeout=120)
+    finally:
+        kill_everything(launcher)
+    output = log.read_text()
+    assert code != 0, output
+    assert output.count("restart 1 of at most 1 (--max_restarts) after a process ended: the steps after step") == 1
+    assert "restart 2" not in output
     assert re.search(r"Root Cause[^=]*rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", output), output
 
 
