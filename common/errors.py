@@ -40,7 +40,9 @@ def run_main(main, args):
     except KeyboardInterrupt:
         exit_with_message("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one", 130)
     except RuntimeError as error:
-        from_collective = isinstance(error, torch.distributed.DistError) or re.search(r"gloo|nccl|c10d", str(error))
+        # gloo's own words without its name too: "Application timeout caused pair closure" (DDP's buffer broadcast)
+        from_collective = (isinstance(error, torch.distributed.DistError)
+                           or re.search(r"gloo|nccl|c10d|pair closure", str(error), re.IGNORECASE))
         if not (torch.distributed.is_initialized() and from_collective
                 and re.search(PEER_LOST, str(error), re.IGNORECASE)):
             raise

@@ -4,6 +4,7 @@ a diverging loss, configuration mistakes."""
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -140,6 +142,23 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors")
                for run in (output_dir, tmp_path / "reference")]
     assert all(torch.allclose(weights[0][k].float(), weights[1][k].float(), atol=1e-6) for k in weights[1])
+
+
+def test_two_machines_each_decode_the_image_cache_once_into_one_shared_file(tmp_path, seedlings):
+    """--cache_images on two "machines" sharing the data folder: each machine decodes the images once (its
+    one process, here) under a temporary name of its own and renames it to the same file; both train."""
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    args = ["--data_dir", data, "--model", "resnet18", "--image_size", 48, "--epochs", 1, "--batch_size", 4,
+            "--num_workers", 0, "--cache_images", "--output_dir", tmp_path / "run"]
+    (code0, out0), (code1, out1) = run_machines(tmp_path, args, args, script=REPO / "scripts" / "train_seedlings.py")
+    assert code0 == 0 and code1 == 0, out0 + out1
+    assert epoch_lines(out0) == epoch_lines(out1) and len(epoch_lines(out0)) == 1
+    for split in ("train", "val"):
+        record = json.loads((data / f".checked-{split}.json").read_text())
+        assert record["checked_per_process"] == [record["images"]] * 2  # once on each machine
+        decoded = np.load(data / record["decoded"], mmap_mode="r")
+        assert decoded.shape == (record["images"], 3, 55, 55) and decoded.any(axis=(1, 2, 3)).all()
+    assert not list(data.glob("*.tmp*"))
 
 
 def test_an_output_dir_the_machines_do_not_share_is_refused(tmp_path):
@@ -284,6 +303,24 @@ def test_a_hung_process_ends_the_launch_after_dist_timeout(tmp_path):
     assert 5 <= took < 90, (took, output)  # 5 s of timeout, then torchrun's grace period for the stopped process
     assert re.search(r"error: lost the other processes \(.*([Tt]ime ?out|[Tt]imed out).*\): one of them failed, "
                      r"hung longer than --dist_timeout", output), output
+
+
+def test_a_lost_peer_is_said_in_one_line_whichever_collective_noticed_it(tmp_path):
+    """gloo words a lost or silent peer differently in each collective; each is one line, not a traceback.
+    A timeout that is not a collective's (a DataLoader's) stays a traceback."""
+    program = (f"import sys, torch; sys.path.insert(0, {str(REPO)!r}); from common.errors import run_main\n"
+               f"torch.distributed.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
+               "world_size=1)\n"
+               "def main(args): raise RuntimeError(sys.argv[1])\n"
+               "run_main(main, None)\n")
+    for message, one_line in [("Application timeout caused pair closure", True),  # DDP's buffer broadcast
+                              ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242", True),
+                              ("DataLoader timed out after 5 seconds", False)]:
+        (tmp_path / "store").unlink(missing_ok=True)
+        result = run_command([sys.executable, "-c", program, message])
+        assert result.returncode == 1, result.output
+        assert ("error: lost the other processes" in result.output) == one_line, result.output
+        assert ("Traceback" in result.output) != one_line, result.output
 
 
 # ---- the loss diverges ----
