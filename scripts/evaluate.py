@@ -135,6 +135,7 @@ def main(args):
                                                                           std=meta["std"]),
                        output_dir=output_dir, class_names=meta["class_names"], files=files, tta=args.tta == "flip",
                        name=f"{args.data_dir or kind} ({kind}, {args.split})")
+    accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return evaluation
 

@@ -97,6 +97,7 @@ def main(args):
         write_atomically(args.output, write)
     skipped = len(paths) - len(rows)
     accelerator.print(f"predicted {len(rows)} images -> {args.output}" + (f"; skipped {skipped} unreadable" if skipped else ""))
+    accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return rows
 
