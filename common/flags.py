@@ -137,7 +137,8 @@ def check_same_run(args, checkpoint, *, runtime=()):
     """--resume auto continues only the run this very command started: every argument that says what the run
     computes (all but RUNTIME_ARGS and `runtime`) as in the checkpoint."""
     ours, shown = args_to_dict(args), lambda value: "unset" if value is None else value
-    differ = [f"--{name} {shown(saved)} there, {shown(ours.get(name))} here" for name, saved in checkpoint["args"].items()
+    differ = [f"--{name} {shown(saved)} there, {shown(ours.get(name))} here"
+              for name, saved in checkpoint["args"].items()
               if name not in RUNTIME_ARGS and name not in runtime and ours.get(name) != saved]
     if differ:
         raise UserError(f"--resume auto: {args.output_dir} holds another run ({'; '.join(differ)}). Continue that "

@@ -232,7 +232,8 @@ def _decode_shared_out(files, decode, path, cache_size, accelerator):
     if path is not None and rank == 0:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
         try:
-            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), 3, cache_size, cache_size)).flush()
+            shape = (len(files), 3, cache_size, cache_size)
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape).flush()  # zeros, on disk
         except OSError:
             tmp.unlink(missing_ok=True)
             tmp = None
