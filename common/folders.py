@@ -33,12 +33,14 @@ def list_image_folder(root):
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
                         f"folders, {root}/<class>/<image>.png")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
     if not classes:
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
     files, labels, skipped = [], [], []
     for label, name in enumerate(classes):
-        entries = sorted(p for p in (root / name).iterdir() if p.is_file() and not p.name.startswith("."))
+        # os.scandir: the file type comes with the listing, no stat per file (a million files: seconds, not minutes)
+        entries = [root / name / entry for entry in sorted(entry.name for entry in os.scandir(root / name)
+                                                           if entry.is_file() and not entry.name.startswith("."))]
         images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
         if not images:
             raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
@@ -182,15 +184,8 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
     a fitting record: each process decodes every n-th file from its index and the bad lists are gathered;
     with `cache_size` the processes of each machine share out its decode into the .npy file every one of them
     then maps (`_decode_shared_out`). The main process writes the record, with each process's share."""
-    stats = []
-    for path in files:
-        try:
-            stat = Path(path).stat()
-            stats.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
-        except OSError:
-            stats.append(f"{path}:missing")
-    fingerprint = hashlib.sha256("\n".join(stats).encode()).hexdigest()
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    fingerprint = _fingerprint(files) if rank == 0 else None  # only the main process reads and writes the record
     decoded = Path(record).with_name(f"{Path(record).stem}-{cache_size}px.npy") if record and cache_size else None
     kept = _broadcast(accelerator, _read_record(record, fingerprint, decoded) if rank == 0 else None)
     if kept is not None:
@@ -217,6 +212,18 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
                            "decoded": decoded.name if decoded and decoded.exists() else None, "bad": bad})
         _write_quietly(Path(record), lambda tmp: tmp.write_text(text))
     return [(Path(path), error) for path, error in bad], cache
+
+
+def _fingerprint(files):
+    """A hash of the files' names, sizes and modification times."""
+    stats = []
+    for path in files:
+        try:
+            stat = os.stat(path)
+            stats.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+        except OSError:
+            stats.append(f"{path}:missing")
+    return hashlib.sha256("\n".join(stats).encode()).hexdigest()
 
 
 def _decode_shared_out(files, decode, path, cache_size, accelerator):
