@@ -208,7 +208,7 @@ def find_checkpoint(output_dir, resume):
     state_path = path / "trainer_state.json"
     if not state_path.is_file():
         raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). Pass "
-                        "`latest` or a folder from OUTPUT_DIR/checkpoints/.")
+                        "`latest`, `auto` or a folder from OUTPUT_DIR/checkpoints/.")
     state, problem = read_json(state_path, check=_check_state)
     if problem:
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
