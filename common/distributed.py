@@ -37,9 +37,10 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     `dist_timeout` (seconds) bounds every collective: when a process hangs or its node is lost, the others
     fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
     """
-    join_after_restart(cpu=cpu or not torch.cuda.is_available(), dist_timeout=dist_timeout)
+    cpu = cpu or not torch.cuda.is_available()
+    join_after_restart(cpu=cpu, dist_timeout=dist_timeout)
     accelerator = Accelerator(
-        cpu=cpu or not torch.cuda.is_available(),
+        cpu=cpu,
         mixed_precision=mixed_precision,
         dynamo_backend="inductor" if compile else None,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else None,
