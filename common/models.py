@@ -27,6 +27,16 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False):
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
+def build_ema(model, accelerator, *, decay):
+    """timm's exponential moving average of `model`'s weights (ModelEmaV3, with its warmup), prepared in
+    evaluation mode so that `save_state` keeps it (model_1.safetensors) and `evaluate` can score it. timm is
+    imported here: the CIFAR and MNIST runs need it only for this, and it takes a second to import."""
+    from timm.utils import ModelEmaV3
+
+    ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=decay, use_warmup=True)
+    return accelerator.prepare_model(ema, evaluation_mode=True)
+
+
 def describe_model(architecture, *, class_names, image_size, mean, std, resize_size=None, dataset=None):
     """What every checkpoint and best/meta.json says of a model: how to build it (`build_model` arguments),
     its classes, and its evaluation preprocessing, so that predict.py and evaluation redo it exactly.

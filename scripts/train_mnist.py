@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from timm.utils import ModelEmaV3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.data import build_dataloader, build_digits, build_mnist, hold_out, preprocess  # noqa: E402
@@ -36,7 +35,7 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, score  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, resolve_args  # noqa: E402
-from common.models import build_model, describe_model  # noqa: E402
+from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -93,12 +92,10 @@ def main(args):
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    # --ema_decay: an average of the weights, evaluated beside them each epoch
+    ema = build_ema(model, accelerator, decay=args.ema_decay) if args.ema_decay else None
 
     # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
-    # --ema_decay: timm's average of the weights, prepared so that checkpoints hold it (model_1.safetensors)
-    ema = accelerator.prepare_model(ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False),
-                                               decay=args.ema_decay, use_warmup=True), evaluation_mode=True) if args.ema_decay else None
-
     run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from timm.utils import ModelEmaV3
 from timm.data import Mixup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
@@ -47,7 +46,7 @@ from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnega
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
                             build_file_dataloader, build_folder_dataset, build_train_transform, choose_num_workers,
                             find_splits, read_mean_std, resize_size)
-from common.models import build_model, describe_model, load_pretrained  # noqa: E402
+from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -165,12 +164,10 @@ def main(args):
     class_weights = (balanced_class_weights(train_set.labels, len(classes)).to(accelerator.device)
                      if args.class_weights == "balanced" else None)
     loss_fn = torch.nn.CrossEntropyLoss(weight=class_weights, label_smoothing=0.0 if mixing else args.label_smoothing)
+    # --ema_decay: an average of the weights, evaluated beside them each epoch
+    ema = build_ema(model, accelerator, decay=args.ema_decay) if args.ema_decay else None
 
     # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
-    # --ema_decay: timm's average of the weights, prepared so that checkpoints hold it (model_1.safetensors)
-    ema = accelerator.prepare_model(ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False),
-                                               decay=args.ema_decay, use_warmup=True), evaluation_mode=True) if args.ema_decay else None
-
     run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                       patience=args.patience)
