@@ -2,6 +2,7 @@
 
 import pickle
 import shutil
+import sys
 import tarfile
 
 import numpy as np
@@ -13,7 +14,7 @@ from common.errors import UserError
 from common.data import (CIFAR10_CLASSES, build_cifar10, build_dataloader, build_digits, build_mnist,
                          load_image_folder, preprocess, random_resized_crop, read_idx)
 from common.models import build_model
-from conftest import FASHION_MNIST, require, write_idx
+from conftest import FASHION_MNIST, REPO, require, run_command, write_idx
 
 
 # --- IDX / MNIST ---------------------------------------------------------------------------------
@@ -294,3 +295,14 @@ def test_the_lr_follows_the_global_batch_unless_given():
     lr, line = scale_lr(None, base_lr=1e-2, base_batch=64, global_batch=256, rule="sqrt")
     assert lr == pytest.approx(2e-2) and line.startswith("lr 0.02 = 0.01 x sqrt(256 / 64)")
     assert scale_lr(0.05, base_lr=0.1, base_batch=128, global_batch=512, rule="linear") == (0.05, "lr 0.05 (--lr, as given)")
+
+
+@pytest.mark.parametrize("name", ["train_mnist.py", "train_cifar.py"])
+def test_a_script_imports_only_what_its_start_needs(name):
+    """timm, torchvision, scikit-learn and matplotlib take seconds to import on every process; the CIFAR and
+    MNIST scripts need them only for --ema_decay, the model, evaluation and the reports, and import them there."""
+    code = (f"import sys; sys.argv = ['{name}']; from conftest import load_script; load_script('{name}').parse_args([]); "
+            "print(sorted(m for m in ('timm', 'torchvision', 'sklearn', 'matplotlib') if m in sys.modules))")
+    result = run_command([sys.executable, "-c", code], cwd=REPO / "tests")
+    assert result.returncode == 0, result.output
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.output
