@@ -38,6 +38,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
     """
     cpu = cpu or not torch.cuda.is_available()
+    mixed_precision, why_fp32 = choose_mixed_precision(mixed_precision, cpu=cpu)
     join_after_restart(cpu=cpu, dist_timeout=dist_timeout)
     accelerator = Accelerator(
         cpu=cpu,
@@ -54,10 +55,38 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
     )
     check_process_count(accelerator)
+    if why_fp32:
+        accelerator.print(why_fp32)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so. "
                         "Pass --mixed_precision no (or bf16, which recent CPUs run), or use a config without fp16.")
     return accelerator
+
+
+def choose_mixed_precision(given, *, cpu):
+    """(the run's mixed precision, why it is fp32 where the config asked for bf16, or None).
+
+    `given` (--mixed_precision) if given, else the accelerate config's (`accelerate launch` passes it on), else
+    bf16 where the device computes it natively (a GPU since Ampere, a CPU with bf16 instructions) and fp32
+    elsewhere: `python script.py` and a 1-process launch then compute alike. On a CPU without bf16
+    instructions bf16 autocast runs slower than fp32, so a config's bf16 (accelerate_configs/cpu.yaml) becomes
+    fp32 there; only the flag forces it."""
+    config = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    native = cpu_computes_bf16() if cpu else torch.cuda.is_bf16_supported()
+    if given:
+        return given, None
+    if config is None:
+        return "bf16" if native else "no", None
+    if config == "bf16" and cpu and not native:
+        return "no", ("the accelerate config asks for bf16, which this CPU has no instructions for (AVX-512 BF16 or "
+                      "AMX) and would run slower than fp32: running in fp32 (--mixed_precision bf16 forces it)")
+    return config, None
+
+
+def cpu_computes_bf16():
+    """Whether this CPU has bf16 instructions (AVX-512 BF16, or AMX on Intel Xeons since Sapphire Rapids), on
+    which PyTorch's bf16 autocast runs convolutions and matrix products natively; elsewhere it converts."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def join_after_restart(*, cpu, dist_timeout=None):

@@ -102,7 +102,8 @@ def add_common_args(parser):
     parser.add_argument("--max_grad_norm", type=positive_float, default=None,
                         help="clip gradients to this norm (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="override the accelerate config's setting (bf16 on a recent GPU)")
+                        help="override the accelerate config's setting; without a config: bf16 where the "
+                             "device computes it natively (GPUs since Ampere, CPUs with AVX-512 BF16 or AMX), else no")
     parser.add_argument("--channels_last", action="store_true",
                         help="keep the model in channels-last memory format (faster convolutions with bf16/fp16 on GPUs)")
     parser.add_argument("--compile", action="store_true",

@@ -55,7 +55,7 @@ def parse_args(argv=None):
                         help="DataLoader workers per process, folder datasets (default: from the cores per process)")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="overrides the accelerate config")
+                        help="overrides the accelerate config (without one: bf16 where the device computes it)")
     return parser.parse_args(argv)
 
 

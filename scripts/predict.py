@@ -3,9 +3,9 @@
 Same preprocessing as evaluation, as meta.json's "eval_transform" says: convert to the model's channels;
 resize to its image size (bilinear), or for train_seedlings.py models resize the short side and center-crop;
 normalise with the mean/std in meta.json. Needs no training script and no pickled code.
-Images are decoded in DataLoader workers and predicted in batches (bf16 autocast on a GPU unless
---mixed_precision says otherwise); under `accelerate launch` the processes share the images, and one CSV is
-written in input order. Unreadable images are reported by name and skipped; the rest are still predicted.
+Images are decoded in DataLoader workers and predicted in batches (bf16 autocast where the device computes
+it natively, unless --mixed_precision or the accelerate config says otherwise); under `accelerate launch`
+the processes share the images, and one CSV is written in input order. Unreadable images are reported by name and skipped; the rest are still predicted.
 
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/predict.py --model_dir ... photos/
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="default: bf16 on a GPU that has it, else the accelerate config's (no on the CPU)")
+                        help="default: the accelerate config's; without one, bf16 where the device computes it")
     return parser.parse_args(argv)
 
 
@@ -63,8 +63,7 @@ def main(args):
     check_output_file(args.output, suffix=".csv", what="a CSV written by predict.py", is_ours=is_predictions_csv,
                       inputs=paths, overwrite=args.overwrite)
     on_gpu = torch.device(args.device).type == "cuda"
-    accelerator = build_accelerator(cpu=not on_gpu, mixed_precision=args.mixed_precision or (
-        "bf16" if on_gpu and torch.cuda.is_bf16_supported() else None))
+    accelerator = build_accelerator(cpu=not on_gpu, mixed_precision=args.mixed_precision)
     exported = Path(args.model_dir).suffix == ".onnx"  # scripts/export.py's file, run by onnxruntime
     model, meta = load_exported(args.model_dir) if exported else load_best_model(args.model_dir)
     classes, channels = meta["class_names"], meta["model_kwargs"]["in_chans"]

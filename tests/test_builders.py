@@ -1,7 +1,9 @@
 """Unit tests of the builders in common/: data sources, device transforms, models."""
 
+import os
 import pickle
 import shutil
+import subprocess
 import sys
 import tarfile
 
@@ -306,3 +308,23 @@ def test_a_script_imports_only_what_its_start_needs(name):
     result = run_command([sys.executable, "-c", code], cwd=REPO / "tests")
     assert result.returncode == 0, result.output
     assert result.stdout.strip().splitlines()[-1] == "[]", result.output
+
+
+@pytest.mark.parametrize("has_bf16, config, flag, expected", [
+    (True, "bf16", None, "bf16"), (False, "bf16", None, "no"), (False, "bf16", "bf16", "bf16"), (True, "no", None, "no"),
+    (True, None, None, "bf16"), (False, None, None, "no"), (True, None, "no", "no")])
+def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_instructions(has_bf16, config, flag,
+                                                                                                expected):
+    """The flag, else the accelerate config (what `accelerate launch` passes on as ACCELERATE_MIXED_PRECISION), else
+    bf16 where the CPU computes it. accelerate_configs/cpu.yaml's bf16 becomes fp32, with one line, on a CPU
+    without bf16 instructions (slower there); --mixed_precision bf16 forces it."""
+    code = ("import common.distributed as d; "
+            f"d.cpu_computes_bf16 = lambda: {has_bf16}; "
+            f"print('precision', d.build_accelerator(mixed_precision={flag!r}, cpu=True).mixed_precision)")
+    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_MIXED_PRECISION"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            env=env | ({"ACCELERATE_MIXED_PRECISION": config} if config else {}))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == f"precision {expected}", result.stdout
+    fell_back = "the accelerate config asks for bf16, which this CPU has no instructions for" in result.stdout
+    assert fell_back == (config == "bf16" and expected == "no"), result.stdout
