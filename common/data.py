@@ -34,11 +34,14 @@ FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
 
 
 class InMemoryDataset(torch.utils.data.Dataset):
-    """uint8 images (N, C, H, W) and int64 labels; batches come out as dicts with image, label and index."""
+    """uint8 images (N, C, H, W) and int64 labels; batches come out as dicts with image, label and index.
+    `rows`: the row of `images` that holds each sample, where `images` holds more (a folder's memory-mapped
+    cache keeps a row for every file listed, unreadable ones included)."""
 
-    def __init__(self, images, labels, classes):
-        assert images.dtype == torch.uint8 and images.ndim == 4 and len(images) == len(labels)
+    def __init__(self, images, labels, classes, *, rows=None):
+        assert images.dtype == torch.uint8 and images.ndim == 4 and len(labels) == len(images if rows is None else rows)
         self.images, self.labels, self.classes = images.contiguous(), labels.long(), list(classes)
+        self.rows = None if rows is None else torch.as_tensor(rows, dtype=torch.long)
 
     @property
     def image_size(self):
@@ -53,7 +56,8 @@ class InMemoryDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices):
         # one gather for the whole batch; the DataLoader calls this instead of __getitem__ per sample
         index = torch.as_tensor(indices, dtype=torch.long)
-        return {"image": self.images[index], "label": self.labels[index], "index": index}
+        return {"image": self.images[index if self.rows is None else self.rows[index]], "label": self.labels[index],
+                "index": index}
 
 
 def hold_out(dataset, *, fraction, seed):
@@ -67,8 +71,9 @@ def _batch_is_ready(batch):
     return batch
 
 
-def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False):
+def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, sampler=None):
     """A DataLoader over an InMemoryDataset; the batch is already built, so collation is the identity.
+    `sampler` (a ClassBalancedSampler) replaces the shuffle.
 
     The loader gets a generator of its own: without one, starting each pass draws from the global RNG, which
     the augmentation and dropout use, and a run resumed mid-epoch would no longer draw the same numbers.
@@ -76,9 +81,9 @@ def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False):
     With a GPU the batches are pinned, so that Accelerate's non-blocking copy (build_accelerator) does not
     make the host wait for the device at every batch.
     """
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                                       collate_fn=_batch_is_ready, generator=torch.Generator(),
-                                       pin_memory=torch.cuda.is_available())
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
+                                       sampler=sampler, drop_last=drop_last, collate_fn=_batch_is_ready,
+                                       generator=torch.Generator(), pin_memory=torch.cuda.is_available())
 
 
 def preprocess(images, *, mean, std, padding=0, flip=False, cutout=0, erasing=0.0):

@@ -343,10 +343,13 @@ def build_train_transform(image_size, auto_augment="none", *, geometry=True):
     """Per-sample augmentation, PIL or uint8 tensor in, uint8 (3, S, S) tensor out: random resized crop,
     horizontal and vertical flips, rotation (seedlings are photographed from above, so any orientation is a
     real one), then torchvision's TrivialAugmentWide or RandAugment (default settings) if asked for. Without
-    `geometry` only the policy: the cached path does the rest on the device (common.data.random_resized_crop)."""
+    `geometry` only the policy: the cached path does the rest on the device (common.data.random_resized_crop);
+    None when that leaves nothing to do per sample."""
     from torchvision.transforms import v2  # imported here: the in-memory datasets do not need it
 
     policy = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}[auto_augment]
+    if not geometry and not policy:
+        return None
     crop = [v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip(),
             v2.RandomVerticalFlip(), v2.RandomRotation(30)] if geometry else []
     return v2.Compose([v2.ToImage(), *crop, *policy, v2.ToPureTensor()])
@@ -374,11 +377,21 @@ def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_si
                          record=None):
     """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images` (shared out
     among the `accelerator`'s processes, kept in `record`); the unreadable ones, left out with
-    `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset."""
+    `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset.
+
+    With a cache and no `transform` (nothing to do per sample) an InMemoryDataset over the mapped cache
+    instead: each batch is one gather of its rows, in the training process, with no workers and no Python per
+    image, so that the CPU only copies bytes while the device augments."""
     good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size,
                                     accelerator=accelerator, record=record)
-    dataset = ImageFileDataset([split["files"][i] for i in good], [split["labels"][i] for i in good], classes,
-                               transform=transform, cache=cache, cache_rows=good, seed=seed)
+    labels = [split["labels"][i] for i in good]
+    if cache is not None and transform is None:
+        from .data import InMemoryDataset  # imported here: common.data imports this module
+
+        dataset = InMemoryDataset(cache, torch.tensor(labels), classes, rows=good)
+    else:
+        dataset = ImageFileDataset([split["files"][i] for i in good], labels, classes, transform=transform,
+                                   cache=cache, cache_rows=good, seed=seed)
     dataset.left_out = [path for path, _ in bad]
     return dataset
 
@@ -479,10 +492,15 @@ def choose_num_workers(given=None):
 def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=None, sampler=None):
     """Workers decode and augment, each 4 batches ahead; pinned memory when there is a GPU; workers persist
     across epochs. `num_workers` None: `choose_num_workers`. `sampler` (a ClassBalancedSampler) replaces the
-    shuffle.
+    shuffle. A dataset that gathers whole batches itself (build_folder_dataset's cache with nothing to do per
+    sample) gets common.data.build_dataloader's loader instead, without workers.
 
     As for the in-memory loader, a generator of its own keeps the global RNG out of it.
     """
+    if hasattr(dataset, "__getitems__"):
+        from .data import build_dataloader
+
+        return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, sampler=sampler)
     num_workers = choose_num_workers(num_workers)[0]
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
                                        sampler=sampler, drop_last=drop_last, num_workers=num_workers,

@@ -9,9 +9,11 @@ a cold start (no check record, no decoded cache) and a warm one (both read back)
 start-up time and the CPU time it spent on it, and, with the cache, once the set is built and its cache
 touched, its resident memory (RSS) and its proportional share of it (PSS: a page shared by 2 processes
 counts half for each), from /proc. Then the data path's images/s
-on one process: files decoded and augmented by PIL in one DataLoader worker; the cache with the crop,
-flips and rotation on the device; and the seed post's pipeline (PIL, torchvision transforms, ToTensor,
-Normalize, no workers), each divided by the cores it keeps busy. One table row per size and process count.
+on one process: files decoded and augmented by PIL in one DataLoader worker; the cache, gathered in whole
+batches as train_seedlings.py --cache_images reads it, with the crop, flips and rotation on the device (here
+the CPU, the same core); the cache's share of the CPU alone (the batches gathered, what the CPU does when the
+device is a GPU); and the seed post's pipeline (PIL, torchvision transforms, ToTensor, Normalize, no
+workers), each divided by the cores it keeps busy. One table row per size and process count.
 """
 
 import argparse
@@ -97,7 +99,7 @@ def probe(args):
                                    transform=build_train_transform(args.image_size, geometry=False),
                                    record=Path(args.probe) / ".checked-train.json")
     startup, cpu = time.perf_counter() - start, time.process_time() - cpu
-    checksum = int(dataset.cache[list(dataset.cache_rows)].sum()) if args.probe_cache else 0  # pages read in
+    checksum = int(dataset.images[dataset.rows].sum()) if args.probe_cache else 0  # every cached page read in
     rss, pss = memory_mb()
     from accelerate.utils import gather_object
 
@@ -125,11 +127,13 @@ def launch_probes(folder, processes, cache, args):
 
 
 def data_path_rates(folder, args):
-    """images/s per busy core: files + PIL in a worker, cache + device augmentation, the seed's pipeline."""
+    """images/s per busy core: files + PIL in a worker, cache + device augmentation, the cache's CPU share alone,
+    the seed's pipeline."""
     from torchvision import transforms
 
     from common.data import preprocess, random_resized_crop
-    from common.folders import ImageFileDataset, build_file_dataloader, build_train_transform, find_splits
+    from common.folders import (ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform,
+                                find_splits, resize_size)
 
     train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)
     files, labels = train_split["files"], train_split["labels"]
@@ -144,9 +148,9 @@ def data_path_rates(folder, args):
         return count / (time.perf_counter() - start) / cores
 
     files_set = ImageFileDataset(files, labels, classes, transform=build_train_transform(args.image_size))
-    cached = np.load(folder / f".checked-train-{round(args.image_size / 0.875)}px.npy", mmap_mode="c")
-    cache_set = ImageFileDataset(files, labels, classes, transform=build_train_transform(args.image_size,
-                                 geometry=False), cache=torch.from_numpy(cached))
+    # as train_seedlings.py --cache_images builds it: the probes' check record read, their decoded cache mapped
+    cache_set = build_folder_dataset(train_split, classes=classes, transform=None, skip_bad_images=False,
+                                     cache_size=resize_size(args.image_size), record=folder / ".checked-train.json")
     seed_transform = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(0.35, 1.0)),
                                          transforms.RandomHorizontalFlip(), transforms.RandomVerticalFlip(),
                                          transforms.RandomRotation(30), transforms.ToTensor(),
@@ -163,9 +167,12 @@ def data_path_rates(folder, args):
     return {
         "files_pil_worker": rate(build_file_dataloader(files_set, batch_size=64, shuffle=True, num_workers=1),
                                  lambda b: preprocess(b["image"], mean=mean, std=std), cores=2),
-        "cache_device": rate(build_file_dataloader(cache_set, batch_size=64, shuffle=True, num_workers=1),
+        "cache_device": rate(build_file_dataloader(cache_set, batch_size=64, shuffle=True),
                              lambda b: preprocess(random_resized_crop(b["image"], size=args.image_size),
-                                                  mean=mean, std=std), cores=2),
+                                                  mean=mean, std=std), cores=1),
+        # what the CPU does when the device is an accelerator: each batch gathered from the cache, nothing more
+        "cache_cpu_share": rate(build_file_dataloader(cache_set, batch_size=64, shuffle=True),
+                                lambda b: b["image"], cores=1),
         "seed_pipeline": rate(torch.utils.data.DataLoader(SeedStyle(), batch_size=64, shuffle=True),
                               lambda b: b[0], cores=1),
     }

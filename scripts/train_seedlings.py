@@ -37,7 +37,7 @@ from accelerate.utils import set_seed
 from timm.data import Mixup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.data import preprocess, random_resized_crop  # noqa: E402
+from common.data import InMemoryDataset, preprocess, random_resized_crop  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
@@ -112,7 +112,8 @@ def main(args):
     folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
                              cache_size=resize_size(args.image_size) if args.cache_images else None,
                              accelerator=accelerator)
-    # with --cache_images the workers only copy bytes: crop, flips and rotation happen on the device
+    # with --cache_images crop, flips and rotation happen on the device: without --auto_augment, the CPU only
+    # gathers each batch's rows of the cache, with no workers
     train_set = folder_dataset(train_split, transform=build_train_transform(
         args.image_size, args.auto_augment, geometry=not args.cache_images), seed=args.seed,
         record=Path(args.data_dir) / ".checked-train.json")
@@ -175,7 +176,8 @@ def main(args):
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
                       f"images, {total_steps} optimizer steps, {lr_rule}; {num_workers} loader workers per process "
-                      f"({workers_rule}); SyncBatchNorm {'on' if sync_bn else 'off'}; "
+                      f"({workers_rule}{'; training reads the cache without them' if isinstance(train_set, InMemoryDataset) else ''}); "
+                      f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs):

@@ -172,6 +172,7 @@ def test_folder_benchmark_measures_start_up_and_memory_on_1_and_2_processes(tmp_
             assert row[f"{path}_cold_startup_s"] > 0 and row[f"{path}_warm_startup_s"] > 0
             assert len(row[f"{path}_cold_cpu_s_per_process"]) == row["processes"]
         assert len(row["pss_mb_per_process"]) == row["processes"] and min(row["pss_mb_per_process"]) > 0
-    assert set(rows[2]["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "seed_pipeline"}
+    assert set(rows[2]["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "cache_cpu_share",
+                                                     "seed_pipeline"}
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
     assert "| 120 | 2 |" in result.output

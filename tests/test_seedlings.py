@@ -18,8 +18,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from common.errors import UserError
-from common.folders import (build_eval_transform, check_images, find_splits, list_image_folder, read_image,
-                            split_dataset)
+from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset, build_train_transform,
+                            check_images, find_splits, list_image_folder, read_image, split_dataset)
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
@@ -119,6 +119,31 @@ def test_the_image_check_is_kept_with_a_fingerprint_and_redone_when_a_file_chang
     assert check_images([*files, garbage], skip_bad_images=True, record=record)[0] == [1, 2, 3]  # read, not redone
 
 
+def test_the_cache_without_per_image_work_is_read_in_whole_batches_of_the_good_rows(tmp_path, seedlings):
+    """--cache_images without --auto_augment: batches are gathered from the mapped cache in the training process
+    (no workers), each sample its own file's row, the unreadable file's row never served."""
+    data = tmp_path / "data"
+    for label in ("Maize", "Cleavers"):
+        shutil.copytree(seedlings / label, data / label)
+    shutil.copy(FIXTURES / "odd_images" / "truncated.png", data / "Maize" / "0_truncated.png")
+    split = {"files": [*sorted((data / "Maize").iterdir()), *sorted((data / "Cleavers").iterdir())]}
+    split["labels"] = [0 if path.parent.name == "Maize" else 1 for path in split["files"]]
+    assert build_train_transform(32, geometry=False) is None  # nothing left to do per image
+    dataset = build_folder_dataset(split, classes=["Maize", "Cleavers"], transform=None, skip_bad_images=True,
+                                   cache_size=37, record=data / ".checked-train.json")
+    assert [path.name for path in dataset.left_out] == ["0_truncated.png"] and len(dataset) == len(split["files"]) - 1
+    loader = build_file_dataloader(dataset, batch_size=4, shuffle=True, num_workers=2)
+    assert loader.num_workers == 0 and loader.collate_fn(["kept as it is"]) == ["kept as it is"]
+    shrink = build_eval_transform({"resize": 37, "center_crop": 37})
+    good = [path for path in split["files"] if path.name != "0_truncated.png"]
+    seen = []
+    for batch in loader:
+        assert batch["image"].shape[1:] == (3, 37, 37) and batch["image"].dtype == torch.uint8
+        for index, image, label in zip(batch["index"].tolist(), batch["image"], batch["label"].tolist()):
+            assert torch.equal(image, shrink(read_image(good[index]))) and label == (good[index].parent.name == "Cleavers")
+            seen.append(index)
+    assert sorted(seen) == list(range(len(good)))
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True], ids=["files", "cache_images"])
 def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second_run_reads_the_check(tmp_path,
@@ -155,6 +180,7 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     # both processes left out the same two files: else their datasets would differ and training would fail
     left_out = re.findall(r"left out (\d+) unreadable (?:train|val) images", first.output)
     assert sum(map(int, left_out)) == 2
+    assert ("training reads the cache without them" in first.output) == cache
 
     second = launch(*command, "--output_dir", tmp_path / "second")
     assert second.returncode == 0, second.output
