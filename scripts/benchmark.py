@@ -136,9 +136,10 @@ def is_benchmark_json(path):
         return False
 
 
-def small_model_rates(pixels, *, accelerator, device, steps, repeats):
+def small_model_rates(pixels, *, accelerator, device, steps, repeats, autocast):
     """images/s of the MNIST convnet's step over `steps` batches of 64: train_mnist.py's loop (loader,
-    Accelerate step, schedule, TrainingRun.record) and a bare loop, alternating within each repeat."""
+    Accelerate step, schedule, TrainingRun.record) and a bare loop (under `autocast`, as Accelerate's
+    mixed precision runs ours), alternating within each repeat."""
     import tempfile
 
     from common.models import describe_model
@@ -162,7 +163,8 @@ def small_model_rates(pixels, *, accelerator, device, steps, repeats):
 
     def plain():
         for images, labels in plain_batches:
-            loss = loss_fn(model(rescale(images)), labels)
+            with autocast():
+                loss = loss_fn(model(rescale(images)), labels)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -258,7 +260,7 @@ def main(args):
 
     if args.small_steps:  # per-step costs: the small model's step with our bookkeeping against a bare loop
         results.update(small_model_rates(pixels.permute(0, 3, 1, 2), accelerator=accelerator, device=device,
-                                         steps=args.small_steps, repeats=args.repeats))
+                                         steps=args.small_steps, repeats=args.repeats, autocast=plain_autocast))
 
     if args.train_images:  # whole passes with their data: the seed script's loop against ours
         files, labels = files[:args.train_images], labels[:args.train_images]  # a subset of the images above

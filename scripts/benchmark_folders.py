@@ -138,6 +138,7 @@ def data_path_rates(folder, args):
     train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)
     files, labels = train_split["files"], train_split["labels"]
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    torch.set_num_threads(1)  # this process is one core of the count below (each DataLoader worker is another)
 
     def rate(loader, step, cores):
         batches = iter(loader)
