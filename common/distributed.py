@@ -71,10 +71,10 @@ def choose_mixed_precision(given, *, cpu):
     elsewhere: `python script.py` and a 1-process launch then compute alike. On a CPU without bf16
     instructions bf16 autocast runs slower than fp32, so a config's bf16 (accelerate_configs/cpu.yaml) becomes
     fp32 there; only the flag forces it."""
-    config = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    native = cpu_computes_bf16() if cpu else torch.cuda.is_bf16_supported()
     if given:
         return given, None
+    config = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    native = cpu_computes_bf16() if cpu else torch.cuda.is_bf16_supported()
     if config is None:
         return "bf16" if native else "no", None
     if config == "bf16" and cpu and not native:

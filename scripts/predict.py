@@ -5,7 +5,8 @@ resize to its image size (bilinear), or for train_seedlings.py models resize the
 normalise with the mean/std in meta.json. Needs no training script and no pickled code.
 Images are decoded in DataLoader workers and predicted in batches (bf16 autocast where the device computes
 it natively, unless --mixed_precision or the accelerate config says otherwise); under `accelerate launch`
-the processes share the images, and one CSV is written in input order. Unreadable images are reported by name and skipped; the rest are still predicted.
+the processes share the images, and one CSV is written in input order. Unreadable images are reported by
+name and skipped; the rest are still predicted.
 
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/predict.py --model_dir ... photos/
