@@ -176,7 +176,8 @@ def main(args):
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
                       f"images, {total_steps} optimizer steps, {lr_rule}; {num_workers} loader workers per process "
-                      f"({workers_rule}{'; training reads the cache without them' if isinstance(train_set, InMemoryDataset) else ''}); "
+                      f"({workers_rule}"
+                      f"{'; training reads the cache without them' if isinstance(train_set, InMemoryDataset) else ''}); "
                       f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 

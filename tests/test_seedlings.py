@@ -144,6 +144,7 @@ def test_the_cache_without_per_image_work_is_read_in_whole_batches_of_the_good_r
             seen.append(index)
     assert sorted(seen) == list(range(len(good)))
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True], ids=["files", "cache_images"])
 def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second_run_reads_the_check(tmp_path,
