@@ -8,9 +8,12 @@ Training reads the files in DataLoader workers (random resized crop, flips, rota
 in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
+import atexit
 import hashlib
 import json
 import math
+import multiprocessing
+import multiprocessing.util  # noqa: F401  its exit function must be registered before ours
 import os
 import signal
 import sys
@@ -512,5 +515,19 @@ def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_
 def _ignore_sigterm(worker_id):
     """torchrun and Slurm send SIGTERM to the whole process group, workers included. A worker that died of it
     would crash the training process before it could save; the training process decides when to stop, and
-    its workers end with it."""
+    its workers end with it (`_stop_workers_at_exit`; a worker whose process was killed notices within 5 s)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _stop_workers_at_exit():
+    """At exit, multiprocessing stops the daemonic children with SIGTERM and waits for them: forever, for workers
+    that ignore it and that nothing has shut down yet (an error left their DataLoader in a traceback, or a
+    persistent one was still referenced). So every exit, after an error too, kills them first."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would call a killed worker a failure
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(timeout=5)
+
+
+atexit.register(_stop_workers_at_exit)  # after multiprocessing.util's (imported above), so it runs before it
