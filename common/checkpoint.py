@@ -6,49 +6,20 @@ totals), the LR schedule, the model description and the run's arguments. Nothing
 except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for all of it.
 """
 
+import hashlib
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import UserError
-from .outputs import PREVIOUS_RUN, earlier_run, remove_previous_run, write_atomically
+from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, publish, remove, remove_previous_run,
+                      write_atomically)
 from .models import build_model
 from .reporting import write_predictions
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder):
-    """Flush a folder's files and the folder itself to disk: a rename must not publish data still in memory."""
-    for path in [*Path(folder).rglob("*"), Path(folder)]:
-        _fsync(path)
-
-
-def _publish(tmp, final):
-    """Put the complete folder `tmp` in the place of `final`.
-
-    Two renames: a kill between them leaves `final` missing and `.old` complete, which the next call puts back.
-    """
-    old = final.with_name(f".{final.name}.old")
-    if old.exists() and not final.exists():
-        os.replace(old, final)
-    shutil.rmtree(old, ignore_errors=True)
-    _fsync_tree(tmp)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
@@ -58,15 +29,15 @@ def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if not accelerator.is_main_process:
         return
-    best = Path(output_dir) / "best"
-    tmp = best.with_name(".best.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
-              tmp / "model.safetensors")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    write_predictions(tmp / "val_predictions.csv", evaluation, class_names=meta["class_names"])
-    _publish(tmp, best)
+
+    def write(folder):
+        folder.mkdir()
+        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
+                  folder / "model.safetensors")
+        (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
+
+    write_atomically(Path(output_dir) / "best", write)
 
 
 def load_best_model(model_dir):
@@ -165,20 +136,27 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
     checkpoints = Path(output_dir) / "checkpoints"
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp, safe_serialization=True)
-    accelerator.wait_for_everyone()
+    try:
+        with failed_write_is_said(final):
+            accelerator.save_state(tmp, safe_serialization=True)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:  # each file's size and checksum, verified before a resume uses them
+                state = {**state, "files": {str(file.relative_to(tmp)): [file.stat().st_size, sha256(file)]
+                                            for file in sorted(tmp.rglob("*")) if file.is_file()}}
+                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+                publish(tmp, final)  # replaces the same point saved before (a resumed run that stopped again at once)
+    finally:
+        if accelerator.is_main_process:
+            remove(tmp)  # after a failure: nothing half-written stays
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        _publish(tmp, final)  # replaces the same point saved before (a resumed run that stopped again at once)
         write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
-        _fsync(checkpoints)
         remove_previous_run(output_dir)  # the run an --overwrite replaced: this run can now be resumed instead
         names = sorted(path.name for path in checkpoints.glob("epoch_*"))  # training order; `name` is the last
         for stale in [*checkpoints.glob(".tmp-*"), *(checkpoints / old for old in names[:-keep])]:
-            shutil.rmtree(stale)  # a .tmp- folder is a save that was killed
+            remove(stale)  # a .tmp- folder is a save that was killed
     accelerator.wait_for_everyone()
     return final
 
@@ -198,6 +176,10 @@ def find_checkpoint(output_dir, resume):
                    f"{output_dir} to continue it.")
     if resume == "latest":
         pointer = checkpoints / "latest"
+        if not pointer.is_file() and earlier_run(output_dir):
+            raise UserError(f"--resume latest: {output_dir} holds the outputs of a run that never reached its first "
+                            f"checkpoint ({', '.join(earlier_run(output_dir))}): there is nothing to continue. Start "
+                            "it again with --resume auto or --overwrite.")
         if not pointer.is_file():
             raise UserError(f"--resume latest: no checkpoint in {checkpoints} ({pointer.name} not found). {choose}")
         path = checkpoints / pointer.read_text().strip()
@@ -213,11 +195,39 @@ def find_checkpoint(output_dir, resume):
     if problem:
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
                         f"another checkpoint. {choose}")
+    damage = _damage(path, state.get("files", {}))  # checkpoints written before the field existed: not checked
+    if damage:
+        others = [name for name in others if name != path.name]
+        raise UserError(f"checkpoint {path} is damaged: {damage}. It was not used. Resume from another checkpoint ("
+                        + (f"--resume {' or '.join(str(checkpoints / name) for name in others)}" if others else
+                           f"there is none left in {checkpoints}") + "), or start again with --overwrite.")
     run_dir = path.resolve().parent.parent
     if run_dir != output_dir.resolve() and earlier_run(output_dir):
         raise UserError(f"{path} comes from the run in {run_dir}, but --output_dir {output_dir} holds another run. "
                         f"Resume with --output_dir {run_dir}, or into an empty --output_dir.")
     return {**state, "path": path}
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _damage(folder, files):
+    """What differs between the checkpoint `folder` and the sizes and checksums its trainer_state.json recorded
+    ({file: [size, sha256]}), or None: Accelerate would load a cut random_states_0.pkl without a word."""
+    for name, (size, digest) in files.items():
+        file = folder / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} holds {file.stat().st_size} bytes, {size} when it was saved"
+        if sha256(file) != digest:
+            return f"{file} does not hold what was saved (its checksum differs)"
+    return None
 
 
 # what trainer_state.json must hold, and of which type (it is JSON: a hand edit can put anything there)
@@ -234,6 +244,10 @@ def _check_state(state):
             return f"{name!r} is {state.get(name)!r}"
     if min(state["epoch"] - 1, state["batch"], state["step"], state["num_processes"] - 1) < 0:
         return f"epoch {state['epoch']}, batch {state['batch']}, step {state['step']} is not a point in a run"
+    files = state.get("files", {})
+    if not (isinstance(files, dict) and all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                                            and isinstance(entry[1], str) for entry in files.values())):
+        return "'files' is damaged"
     totals = state.get("epoch_totals")
     if state["batch"] and not (isinstance(totals, dict) and isinstance(totals.get("loss_sum"), (int, float))
                                and isinstance(totals.get("indices"), list)
@@ -243,11 +257,11 @@ def _check_state(state):
     return None
 
 
-def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info, total_steps):
+def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info):
     """Restore a checkpoint from `find_checkpoint` into the prepared objects and the LR schedule.
 
-    Refuses, with both sides named, a checkpoint of another model or class count, one from a finished run,
-    and a mid-epoch one written by another number of processes (the data shards would differ).
+    Refuses, with both sides named, a checkpoint of another model or class count, and a mid-epoch one
+    written by another number of processes (the data shards would differ).
     """
     path = checkpoint["path"]
     theirs, ours = (checkpoint["architecture"], checkpoint["model_kwargs"]), (model_info["architecture"],
@@ -257,9 +271,6 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
                         f"{ours[1]}. Resume it with the script and data it was trained on, or start a new run.")
     check_weights(accelerator.unwrap_model(model, keep_torch_compile=False), path / "model.safetensors",
                   expected=f"{ours[0]} with {ours[1]}")
-    if checkpoint["step"] >= total_steps:
-        raise UserError(f"checkpoint {path} is the end of a finished run (step {checkpoint['step']} of "
-                        f"{total_steps}): nothing to resume. Its best model is in best/.")
     if checkpoint["batch"] and checkpoint["num_processes"] != accelerator.num_processes:
         raise UserError(f"checkpoint {path} was written inside an epoch by {checkpoint['num_processes']} processes; "
                         f"this launch has {accelerator.num_processes}. Resume it with "
@@ -276,6 +287,21 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
                         f"{path.parent}") from None
 
 
+def finished_because(checkpoint, *, epochs, max_steps=None, patience=None):
+    """Why the run `checkpoint` belongs to has nothing left to train, or None: every epoch done, --max_steps
+    reached, or --patience epochs without a better val accuracy. Counted in epochs, not in steps, which
+    depend on the process count: a finished run stays finished on any number of processes."""
+    epoch, step, best_epoch = checkpoint["epoch"], checkpoint["step"], checkpoint.get("best_epoch", 0)
+    if epoch > epochs:
+        return f"epoch {epochs} of {epochs} done"
+    if max_steps and step >= max_steps:
+        return f"step {step} of --max_steps {max_steps}"
+    if patience and epoch - 1 - best_epoch >= patience:
+        return (f"stopped early after epoch {epoch - 1}: val accuracy did not improve for {patience} epoch(s) after "
+                f"epoch {best_epoch}, --patience {patience}")
+    return None
+
+
 def drop_later_checkpoints(output_dir, path):
     """A run resumed from an older checkpoint of its own goes on from there: the checkpoints after it go, and
     `latest` names it (main process)."""
@@ -284,5 +310,5 @@ def drop_later_checkpoints(output_dir, path):
         return  # a checkpoint of another folder: this one holds no later checkpoints of that run
     for later in checkpoints.glob("epoch_*"):
         if later.name > Path(path).name:
-            shutil.rmtree(later)
+            remove(later)
     write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(Path(path).name + "\n"))

@@ -24,7 +24,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .errors import UserError
-from .folders import convert_image, list_image_folder, read_image, split_dataset
+from .outputs import WriteFailed, write_atomically
+from .folders import check_classes, convert_image, list_image_folder, read_image, split_dataset
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -182,6 +183,7 @@ def build_cifar10(data_dir, *, download=False):
     if kind == "folder":
         held_out = _held_out_folder(path)
         train = load_image_folder(path / "train", size=(32, 32))
+        check_classes(train.classes, path / "train")
         test = load_image_folder(held_out, size=(32, 32))
         if train.classes != test.classes:
             raise UserError(f"{path}/train and {held_out} have different class folders: "
@@ -359,14 +361,12 @@ def _read_decoded(path, fingerprint):
 
 
 def _write_decoded(path, images, fingerprint):
-    """Best effort: a read-only data folder just means decoding again next time. The temporary name is per
-    process, so that several processes writing at once each rename a complete file."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    """Best effort: a read-only or full data folder just means decoding again next time."""
     try:
-        save_file({"images": images.contiguous()}, tmp, metadata={"fingerprint": fingerprint})
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        write_atomically(path, lambda tmp: save_file({"images": images.contiguous()}, tmp,
+                                                     metadata={"fingerprint": fingerprint}))
+    except WriteFailed:
+        pass
 
 
 # --- MNIST and Fashion-MNIST (IDX files) ------------------------------------------------------------

@@ -14,6 +14,11 @@ class UserError(Exception):
     """A mistake the user can fix (bad path, bad flag, wrong launch): printed as one message, exit code 2."""
 
 
+class NothingToDo(Exception):
+    """The run asked for is already done (`--resume auto` on a finished run): said once, exit code 0, so that a
+    requeued job or a restarted launch ends instead of failing again."""
+
+
 class Interrupted(Exception):
     """The run saved a checkpoint and stopped because it was asked to (SIGTERM); the message is already printed."""
 
@@ -35,6 +40,10 @@ def run_main(main, args):
         return main(args)
     except UserError as error:
         exit_with_message(f"error: {error}", 2)
+    except NothingToDo as done:
+        if os.environ.get("RANK", "0") == "0":
+            print(done, flush=True)
+        sys.exit(0)
     except Interrupted:
         sys.exit(143)
     except KeyboardInterrupt:

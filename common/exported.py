@@ -23,7 +23,11 @@ class OnnxModel(torch.nn.Module):
 
     def __init__(self, path):
         super().__init__()
-        import onnxruntime  # imported here: training does not need it
+        try:
+            import onnxruntime  # imported here: training does not need it
+        except ImportError:
+            raise UserError(f"{path} is an ONNX model, which needs onnxruntime to run, and it is not installed: pip "
+                            "install -r requirements-export.txt, or pass the best/ folder it was exported from") from None
 
         try:
             self.session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -6,15 +6,24 @@ time with one line naming the flag, its range and the value given, never as a Py
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import torch
 
-from .errors import UserError, exit_with_message
+from .errors import NothingToDo, UserError, exit_with_message
+
+
+class ParsedArgs(argparse.Namespace):
+    """argparse's result, which also knows the flags the command line typed (`typed`: a slot, so that vars(args),
+    the run's arguments, leaves it out)."""
+
+    __slots__ = ("typed",)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error: the full usage of a script with 30 flags would bury the message."""
+    """argparse with a one-line error (the full usage of a script with 30 flags would bury the message) that
+    records which flags were typed, so that a resumed run tells `--epochs 2` from the default 2."""
 
     raise_errors = False  # restore_args: a bad saved value is a UserError of its own, not an exit
 
@@ -23,6 +32,27 @@ class ArgumentParser(argparse.ArgumentParser):
         if ArgumentParser.raise_errors:
             raise UserError(text)
         exit_with_message(text, 2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        parsed, extras = super().parse_known_args(args, ParsedArgs() if namespace is None else namespace)
+        if isinstance(parsed, ParsedArgs):
+            parsed.typed = self._typed(args)
+        return parsed, extras
+
+    def _typed(self, args):
+        """The flags `args` gives a value: parsed again with no defaults, what is left was typed (abbreviations,
+        --flag=value and --no-flag included, as argparse reads them)."""
+        saved = self._defaults, {action: action.default for action in self._actions}
+        self._defaults = {}
+        for action in self._actions:
+            action.default = argparse.SUPPRESS
+        try:
+            return frozenset(vars(super().parse_known_args(args, argparse.Namespace())[0]))
+        finally:
+            self._defaults = saved[0]
+            for action, default in saved[1].items():
+                action.default = default
 
 
 def number(kind=float, *, min=None, max=None, min_open=False, max_open=False):
@@ -54,6 +84,13 @@ probability = number(float, min=0, max=1)
 seed = number(int, min=0, max=2**32 - 1)  # what numpy's and torch's generators accept
 
 
+def path(text):
+    """An argparse `type` for a file or folder: not empty (`--output_dir ""` would be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path")
+    return text
+
+
 def device(text):
     """An argparse `type` for --device: `cpu`, `cuda`, `cuda:1`, ... and only one this machine has."""
     try:
@@ -69,13 +106,13 @@ def device(text):
 def add_common_args(parser):
     """The flags every training script has. Each script sets its recipe's defaults with `parser.set_defaults`
     (output_dir, epochs, batch_size, weight_decay, label_smoothing, schedule), so they stay visible there."""
-    parser.add_argument("--data_dir", default="data", help="dataset location (default: %(default)s)")
+    parser.add_argument("--data_dir", type=path, default="data", help="dataset location (default: %(default)s)")
     parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
-    parser.add_argument("--output_dir", default=None, help="run folder (default: %(default)s)")
+    parser.add_argument("--output_dir", type=path, default=None, help="run folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run in --output_dir (it is kept in previous_run/ until this run's "
                              "first checkpoint)")
-    parser.add_argument("--resume", default=None, metavar="latest|auto|PATH",
+    parser.add_argument("--resume", type=path, default=None, metavar="latest|auto|PATH",
                         help="continue a run: `latest` (the newest checkpoint in --output_dir), a checkpoint folder, "
                              "or `auto`: continue when --output_dir holds a checkpoint of this very command, start "
                              "when it holds none (for launcher restarts and requeued jobs)")
@@ -120,18 +157,31 @@ def add_common_args(parser):
 
 def resolve_args(args, *, parse_args, runtime=()):
     """(the arguments the run goes with, its checkpoint or None): the command line's, checked; with --resume,
-    the checkpoint's training arguments (`restore_args`) and the checkpoint itself (`find_checkpoint`)."""
-    from .checkpoint import find_checkpoint
+    the checkpoint's training arguments (`restore_args`) and the checkpoint itself (`find_checkpoint`).
+
+    `--resume auto` with no checkpoint starts the run (setting aside the outputs of one that never reached its
+    first checkpoint); on a finished run it stops with NothingToDo (exit 0), where `latest` refuses."""
+    from .checkpoint import find_checkpoint, finished_because
+    from .outputs import has_checkpoint
 
     check_args(args)
     if not args.resume:
         return args, None
-    if args.resume == "auto" and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
-        return argparse.Namespace(**{**vars(args), "resume": None}), None  # nothing saved yet: a new run
+    if args.resume == "auto" and not has_checkpoint(args.output_dir):
+        return args, None  # nothing saved yet: a new run
     checkpoint = find_checkpoint(args.output_dir, "latest" if args.resume == "auto" else args.resume)
     if args.resume == "auto":
         check_same_run(args, checkpoint, runtime=runtime)
-    return restore_args(args, checkpoint["args"], parse_args=parse_args, runtime=runtime), checkpoint
+    args = restore_args(args, checkpoint["args"], parse_args=parse_args, runtime=runtime)
+    finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
+                                patience=getattr(args, "patience", None))
+    if finished and args.resume == "auto":
+        raise NothingToDo(f"--resume auto: the run in {args.output_dir} is finished ({finished}): nothing to do. "
+                          f"Its best model is in {Path(args.output_dir) / 'best'}")
+    if finished:
+        raise UserError(f"checkpoint {checkpoint['path']} is the end of a finished run ({finished}): nothing to "
+                        "resume. Its best model is in best/.")
+    return args, checkpoint
 
 
 def check_same_run(args, checkpoint, *, runtime=()):
@@ -151,6 +201,10 @@ def check_args(args):
     """The checks that concern several flags at once (each flag's own range is checked by its `type`)."""
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --output_dir and --overwrite replaces it: pass one of them")
+    logs = Path(args.output_dir) / "logs"
+    if args.report_to in ("tensorboard", "all") and logs.exists() and not logs.is_dir() and not args.overwrite:
+        raise UserError(f"--report_to {args.report_to}: {logs} is a file, and the tracker writes its logs into a "
+                        "folder of that name. Move the file away, or choose another --output_dir")
     if args.report_to in ("tensorboard", "wandb"):
         from accelerate.utils import is_tensorboard_available, is_wandb_available
 
@@ -169,16 +223,17 @@ RUNTIME_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "ch
 def restore_args(args, saved, *, parse_args, runtime=()):
     """The arguments of a resumed run: the checkpoint's, except RUNTIME_ARGS and `runtime`.
 
-    A flag left at its default takes the checkpoint's value; one given with another value than the
-    checkpoint's is refused, since the run could not continue as it began. The result goes through
+    A flag not typed takes the checkpoint's value; one typed with another value than the checkpoint's is
+    refused (its default value too: `--epochs 2` on a 3-epoch run), since the run could not continue as it began. The result goes through
     `parse_args` again, so a value edited by hand in trainer_state.json is checked like a typed one.
     """
     defaults = vars(parse_args([]))
     restored = dict(vars(args))
+    typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
     for name, value in saved.items():
         if name in RUNTIME_ARGS or name in runtime or name not in restored or restored[name] == value:
             continue
-        if restored[name] != defaults[name]:
+        if (name in typed) if typed is not None else restored[name] != defaults[name]:
             raise UserError(
                 f"--{name} is {restored[name]} on the command line but "
                 f"{'unset (its default)' if value is None else value} in the checkpoint. A resumed run "

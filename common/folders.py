@@ -9,6 +9,7 @@ in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
 import atexit
+import errno
 import hashlib
 import json
 import math
@@ -16,6 +17,7 @@ import multiprocessing
 import multiprocessing.util  # noqa: F401  its exit function must be registered before ours
 import os
 import signal
+import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,44 +27,86 @@ import torch
 from PIL import Image
 
 from .errors import UserError
+from .outputs import WriteFailed, write_atomically
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def list_image_folder(root):
-    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files."""
+    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files.
+    An entry that is neither a file nor a folder (a broken link, a link loop, a FIFO, a socket, a device), which
+    reading could not use or would block on, is refused by name."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
                         f"folders, {root}/<class>/<image>.png")
-    classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+    classes = sorted(name for name, kind in _entries(root) if kind == "dir")
     if not classes:
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
     files, labels, skipped = [], [], []
     for label, name in enumerate(classes):
-        # os.scandir: the file type comes with the listing, no stat per file (a million files: seconds, not minutes)
-        entries = [root / name / entry for entry in sorted(entry.name for entry in os.scandir(root / name)
-                                                           if entry.is_file() and not entry.name.startswith("."))]
+        listed = sorted(_entries(root / name))
+        entries = [root / name / entry for entry, kind in listed if kind == "file"]
         images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
         if not images:
-            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+            nested = any(kind == "dir" for _, kind in listed)  # most often: --data_dir one level too high
+            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})"
+                            + (f" but folders: did you mean --data_dir {root / name}?" if nested else ""))
         files += images
         labels += [label] * len(images)
         skipped += [p for p in entries if p.suffix.lower() not in IMAGE_EXTENSIONS]
     return files, labels, classes, skipped
 
 
+def _entries(folder):
+    """(name, "file" or "dir") of a folder's entries that are not hidden; anything else is refused by name.
+    os.scandir: the type comes with the listing, no stat per file (a million files: seconds, not minutes)."""
+    found = []
+    for entry in os.scandir(folder):
+        if entry.name.startswith("."):
+            continue
+        try:
+            kind = "file" if entry.is_file() else "dir" if entry.is_dir() else _kind(entry.path)
+        except OSError:  # is_file() follows links, and raises on a loop
+            kind = _kind(entry.path)
+        found.append((entry.name, kind))
+    return found
+
+
+def _kind(path):
+    """"file" or "dir" for what `path` is or links to; anything else (a broken link, a link loop, a FIFO, a socket,
+    a device), which reading could not use or would block on, is refused by name."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        what = ("a symbolic link loop" if error.errno == errno.ELOOP else "a broken symbolic link"
+                if os.path.islink(path) else f"unreadable ({error.strerror})")
+    else:
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return "file" if stat.S_ISREG(mode) else "dir"
+        what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+    raise UserError(f"{path} is {what}, not an image or a folder: remove it (or fix the link) and run again")
+
+
+def check_classes(classes, root):
+    """A classifier needs two classes (one would train to 100% on anything)."""
+    if len(classes) < 2:
+        raise UserError(f"{root} has one class folder ({classes[0]}): a classifier needs at least 2 classes, one "
+                        "folder of images each")
+
+
 def find_images(inputs):
     """Image files named in `inputs`, and those under the folders named there (recursive, sorted)."""
     paths = []
     for item in map(Path, inputs):
-        if item.is_dir():
-            paths += sorted(p for p in item.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-        elif item.is_file():
-            paths.append(item)
-        else:
+        if not item.exists() and not item.is_symlink():
             raise UserError(f"{item} does not exist")
+        if _kind(item) == "dir":
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and _kind(p) == "file")
+        else:
+            paths.append(item)
     if not paths:
         raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
     return paths
@@ -92,23 +136,36 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
 def find_splits(data_dir, *, val_fraction, seed):
     """({"files", "labels"} for train and val, classes, skipped) from `root/train` + `root/val`, or split from `root`."""
     root = Path(data_dir)
-    if (root / "train").is_dir() and not (root / "val").is_dir() and (root / "test").is_dir():
+    train, val, test = (_is_split(root / name) for name in ("train", "val", "test"))
+    if train and not val and test:
         raise UserError(f"{root} has train/ and test/: the folder that chooses the best model must be called val/ "
                         f"(rename {root / 'test'} to {root / 'val'}), or pass --data_dir {root / 'train'} to split "
                         "the training images here")
-    if (root / "train").is_dir() and (root / "val").is_dir():
+    if train != val:
+        have, lack = ("train", "val") if train else ("val", "train")
+        raise UserError(f"{root} has {have}/ but no {lack}/: add {root / lack}/<class>/<image>, "
+                        + (f"or pass --data_dir {root / 'train'} to split the training images here (--val_fraction)"
+                           if train else f"or put the training images in {root / 'train'}/<class>/"))
+    if train and val:
         train_files, train_labels, classes, skipped = list_image_folder(root / "train")
         val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
         if val_classes != classes:
             only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
             raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
                             f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
+        check_classes(classes, root / "train")
         return ({"files": train_files, "labels": train_labels}, {"files": val_files, "labels": val_labels},
                 classes, skipped + val_skipped)
     files, labels, classes, skipped = list_image_folder(root)
+    check_classes(classes, root)
     train, val = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
     return ({"files": [files[i] for i in train], "labels": [labels[i] for i in train]},
             {"files": [files[i] for i in val], "labels": [labels[i] for i in val]}, classes, skipped)
+
+
+def _is_split(folder):
+    """A train/, val/ or test/ folder of class folders (not a class that happens to be called "train")."""
+    return folder.is_dir() and any(kind == "dir" for _, kind in _entries(folder))
 
 
 def read_mean_std(path):
@@ -244,6 +301,8 @@ def _decode_shared_out(files, decode, path, cache_size, accelerator):
         try:
             shape = (len(files), 3, cache_size, cache_size)
             np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape).flush()  # zeros, on disk
+            with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
+                os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
         except OSError:
             tmp.unlink(missing_ok=True)
             tmp = None
@@ -301,15 +360,12 @@ def _map(path):
 
 
 def _write_quietly(path, write):
-    """Write through a per-process temporary name and rename; False when the folder cannot be written."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{path.suffix}")
+    """write_atomically, or nothing where the folder cannot be written (a read-only or full data folder): the
+    record only saves the next run some time."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        return False
+        write_atomically(path, write)
+    except WriteFailed:
+        pass
 
 
 def _broadcast(accelerator, value):

@@ -1,5 +1,7 @@
 """Model builders: ResNet-18 with a CIFAR stem, the seed's Keras-style MNIST convnet, or any timm model."""
 
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -8,11 +10,12 @@ from torch import nn
 from .errors import UserError
 
 
-def build_model(name, *, num_classes, in_chans=3, channels_last=False):
+def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None):
     """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`).
 
     `channels_last` stores the weights as NHWC; the convolutions then run (and return) NHWC whatever the
-    input's layout, which is what the tensor cores want under bf16/fp16.
+    input's layout, which is what the tensor cores want under bf16/fp16. `image_size` (a training run's): a
+    timm model is checked to take images of that size (`check_image_size`).
     """
     if name == "resnet18_cifar":
         model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans)
@@ -24,7 +27,29 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False):
         if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
             raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as resnet50")
         model = timm.create_model(name, num_classes=num_classes, in_chans=in_chans)
+        if image_size:
+            check_image_size(model, name, in_chans=in_chans, image_size=image_size)
     return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def check_image_size(model, name, *, in_chans, image_size):
+    """One forward of a blank image of `image_size` (evaluation mode, no gradients: nothing changes), so that a model
+    made for another size (a ViT or a Swin for 224 x 224) or too small an image stops here in one line, not in
+    the first training step with timm's assertion."""
+    training, size = model.training, tuple(model.pretrained_cfg.get("input_size", (in_chans, 224, 224))[1:])
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, in_chans, image_size, image_size))
+    except (AssertionError, RuntimeError, ValueError) as error:
+        if model.pretrained_cfg.get("fixed_input_size"):
+            raise UserError(f"--model {name} takes only {size[0]}x{size[1]} images and this run gives it {image_size}x"
+                            f"{image_size}: choose a model that takes any size (a CNN such as resnet50), or train at "
+                            f"{size[0]} (train_seedlings.py: --image_size {size[0]})") from None
+        raise UserError(f"--model {name} cannot take {image_size}x{image_size} images ({str(error).splitlines()[0]}): "
+                        f"choose another model, or train on larger images (it was made for {size[0]}; "
+                        "train_seedlings.py: --image_size)") from None
+    finally:
+        model.train(training)
 
 
 def build_ema(model, accelerator, *, decay):
@@ -81,6 +106,12 @@ def load_pretrained(model, name, source):
             else:
                 state_dict = torch.load(path, map_location="cpu", weights_only=True)
                 state_dict = state_dict.get("state_dict", state_dict.get("model", state_dict))
+        except pickle.UnpicklingError as error:  # weights_only refused a class: a whole pickled model, say
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+            raise UserError(f"--pretrained {source} holds pickled Python objects"
+                            + (f" ({found.group(1)})" if found else "") + ", not only tensors: it is not loaded, since "
+                            "unpickling can run any code. Save the weights alone, e.g. torch.save(model.state_dict(), "
+                            "'weights.pth'), and pass that file") from None
         except Exception as error:  # any unreadable file: one message, not a traceback
             raise UserError(f"--pretrained {source}: not a readable weights file ({error})") from None
     own = model.state_dict()

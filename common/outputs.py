@@ -6,9 +6,13 @@ output is written onto an input (an image, the dataset tree); a file is replaced
 complete successor.
 """
 
+import atexit
 import os
+import re
 import shutil
+import socket
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,51 +23,141 @@ from .errors import UserError
 # a folder holding one of these holds a run; the others are written by a run too, and go aside with it
 RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
 RUN_OUTPUTS = (*RUN_FILES, "classification_report.txt", "confusion_matrix.png", "curves.png", "logs", "test",
-               "evaluation",
-               ".best.tmp", ".best.old")
+               "evaluation")
 PREVIOUS_RUN = "previous_run"
 
 
 def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
-    """Check --output_dir before anything is built, and create it; moves and deletes nothing.
+    """Check --output_dir before anything is built, create it and lock it for this run; moves and deletes nothing
+    but what a killed run left half-written (`remove_leftovers`).
 
-    Refused: a file, a folder that cannot be written, a folder inside an input (`inputs`: the data),
-    and a folder holding an earlier run unless --resume or --overwrite. Every process checks; with
-    several processes, all of them must see the main process's files there.
+    Refused: a file, a folder that cannot be written, a folder inside an input (`inputs`: the data), a folder
+    another run is writing (`lock_output_dir`), and a folder holding an earlier run unless --resume or
+    --overwrite. With several processes, all of them must see the main process's files there.
     """
     output_dir = Path(output_dir)
     check_not_inside(output_dir, inputs, flag="--output_dir")
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file: choose a folder (it is created if missing)")
-    earlier = [] if resume else earlier_run(output_dir)
-    if earlier and not overwrite:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        raise UserError(
-            f"{output_dir} already holds a run ({', '.join(earlier)}). Pass --resume latest to continue it, "
-            "--overwrite to replace it, or choose another --output_dir."
-            + (f" This is the launcher's restart {restart} of the run: launch with --resume auto, and a restart "
-               "continues from the last checkpoint." if restart else "")
-        )
+    problem = None
     if accelerator.is_main_process:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
-            probe = output_dir / f".write-check-{os.getpid()}"
-            probe.touch()
-            probe.unlink()
+            problem = lock_output_dir(output_dir)
         except OSError as error:
-            raise UserError(f"cannot write to --output_dir {output_dir} ({error.strerror}): choose a folder on a "
-                            "writable filesystem") from None
-    accelerator.wait_for_everyone()
+            problem = (f"cannot write to --output_dir {output_dir} ({error.strerror}): choose a folder on a writable "
+                       "filesystem with free space")
+        if problem is None:
+            remove_leftovers(output_dir)
+    if accelerator.num_processes > 1:
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise UserError(problem)
+    earlier = earlier_run(output_dir)
+    if earlier and not (resume or overwrite):
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        raise UserError(
+            (f"{output_dir} already holds a run ({', '.join(earlier)}). Pass --resume latest to continue it, "
+             "--overwrite to replace it, or choose another --output_dir." if has_checkpoint(output_dir) else
+             f"{output_dir} holds the outputs of a run that never reached its first checkpoint "
+             f"({', '.join(earlier)}): there is nothing to continue. Pass --overwrite (or --resume auto) to start it "
+             "again, or choose another --output_dir.")
+            + (f" This is the launcher's restart {restart} of the run: launch with --resume auto, and a restart "
+               "continues from the last checkpoint." if restart else "")
+        )
     if accelerator.num_processes > 1:
         check_shared(output_dir, accelerator)
     return output_dir
 
 
+# ---- one run writes a run folder at a time ----
+
+LOCK_FILE = ".lock"
+LOCK_LEASE_S = 60  # a lock not refreshed for this long (its holder's machine died) may be taken over
+_locks = {}  # the run folders this process holds: {resolved folder: filelock.SoftFileLease}
+
+
+def lock_output_dir(output_dir):
+    """Take OUTPUT_DIR/.lock for this process, until it exits or `unlock_output_dirs`; None, or why not.
+
+    filelock's SoftFileLease: a marker file naming this host and process, created exclusively and refreshed
+    every 10 s by a thread. A second run finds it and is refused, naming the holder. A marker left by a run that
+    was killed is taken over at once when its process is gone from this host; from another host, whose processes
+    cannot be seen, once it has not been refreshed for LOCK_LEASE_S (the machine died), so a requeued job waits
+    about a minute instead of being refused. Unlike fcntl/flock locks, which filelock's documentation finds do
+    not exclude across NFS clients, the marker works on any shared filesystem with exclusive create; a holder
+    paused longer than the lease (SIGSTOP, a frozen node) can lose it.
+    """
+    from filelock import SoftFileLease, Timeout
+
+    folder = Path(output_dir).resolve()
+    if folder in _locks:
+        return None
+    lease = SoftFileLease(folder / LOCK_FILE, lease_duration=LOCK_LEASE_S, heartbeat_interval=LOCK_LEASE_S / 6,
+                          timeout=0)
+    try:
+        lease.acquire()
+    except Timeout:
+        owner = lease.owner
+        if owner is not None and owner.hostname != _lock_host_name():
+            print(f"{output_dir} is locked by process {owner.pid} on {owner.hostname}: waiting up to "
+                  f"{LOCK_LEASE_S} s in case that run was lost with its machine", flush=True)
+            try:
+                lease.acquire(timeout=LOCK_LEASE_S * 1.25)
+            except Timeout:
+                owner = lease.owner
+        if not lease.is_locked:
+            holder = f"process {owner.pid} on {owner.hostname}" if owner else "another process"
+            return (f"{output_dir} is being written by another run ({holder} holds {folder / LOCK_FILE}). Wait for it "
+                    "to end or stop it, or choose another --output_dir.")
+    _locks[folder] = lease
+    return None
+
+
+def _lock_host_name():
+    """This machine as filelock names it in a marker (its hostname, plus the PID namespace inside a container)."""
+    try:
+        from filelock._identity import host_name
+    except ImportError:  # another filelock layout: a container's own runs then wait out the lease before a refusal
+        return socket.gethostname()
+    return host_name()
+
+
+def unlock_output_dirs():
+    """Release every run folder this process holds (at the end of a run, and at exit)."""
+    while _locks:
+        _locks.popitem()[1].release(force=True)
+
+
+atexit.register(unlock_output_dirs)
+
+
+def remove_leftovers(output_dir):
+    """What a killed or failed run left half-written (main process, holding the lock): temporary files and
+    folders of `write_atomically` and `save_checkpoint`, and probes, go; a folder that `publish` had moved aside
+    to `.NAME.old` goes back where NAME is missing."""
+    output_dir, checkpoints = Path(output_dir), Path(output_dir) / "checkpoints"
+    for path in [*output_dir.glob(".*"), *(checkpoints.glob(".*") if checkpoints.is_dir() else [])]:
+        name = path.name[1:].removesuffix(".old")
+        if path.name.endswith(".old") and (name in RUN_OUTPUTS or name.startswith("epoch_")):
+            if not path.with_name(name).exists():
+                os.replace(path, path.with_name(name))
+            remove(path)
+        elif re.fullmatch(r"\.tmp-.+|\..+\.\d+\.tmp.*|\.(shared-check|write-probe)-.+", path.name):
+            remove(path)
+
+
 def earlier_run(output_dir):
-    """The RUN_FILES in `output_dir`: a run was there. A checkpoints/ folder without `latest` holds only what a
-    save killed before its first checkpoint left, not a run."""
+    """The RUN_FILES in `output_dir`: a run was there (one whose first checkpoint was never written, when
+    `has_checkpoint` says no). A checkpoints/ folder without `latest` holds no checkpoint, only what a save
+    killed before the first one left."""
+    output_dir = Path(output_dir)
     return [name for name in RUN_FILES if (output_dir / name).exists()
-            and (name != "checkpoints" or (output_dir / name / "latest").exists())]
+            and (name != "checkpoints" or has_checkpoint(output_dir))]
+
+
+def has_checkpoint(output_dir):
+    return (Path(output_dir) / "checkpoints" / "latest").is_file()
 
 
 def set_aside_earlier_run(output_dir, accelerator):
@@ -75,14 +169,16 @@ def set_aside_earlier_run(output_dir, accelerator):
     Files of ours only: whatever else the folder holds (a scheduler's log, notes) stays where it is.
     """
     output_dir = Path(output_dir)
-    if accelerator.is_main_process and earlier_run(output_dir):
+    earlier = earlier_run(output_dir)
+    if accelerator.is_main_process and earlier:
         previous = output_dir / PREVIOUS_RUN
         shutil.rmtree(previous, ignore_errors=True)
         previous.mkdir()
         for name in RUN_OUTPUTS:
             if (output_dir / name).exists():
                 os.replace(output_dir / name, previous / name)
-        accelerator.print(f"--overwrite: the earlier run is in {previous} until this run's first checkpoint")
+        accelerator.print(f"the earlier run's outputs ({', '.join(earlier)}) are in {previous} until this run's first "
+                          "checkpoint")
     accelerator.wait_for_everyone()
 
 
@@ -143,13 +239,111 @@ def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False
         raise UserError(f"--output {path}: the folder {path.parent} is not writable")
 
 
+# ---- the one writer ----
+
+class WriteFailed(UserError):
+    """A file or folder could not be written (a full disk, a quota, permissions); nothing half-written was left.
+    `fix` says what to do; a training run names its last complete checkpoint there."""
+
+    def __init__(self, path, reason, fix="Free some space (or choose another place) and run the command again."):
+        super().__init__(path, reason)
+        self.path, self.reason, self.free, self.fix = path, reason, _free_space(path), fix
+
+    def __str__(self):
+        return (f"cannot write {self.path}: {self.reason} ({self.free} free there). Nothing half-written was left. "
+                + self.fix)
+
+
 def write_atomically(path, write):
-    """Write through a temporary file beside `path` and rename it, so a kill never leaves a half-written `path`
-    and a failure leaves the old one."""
+    """Write the file or folder `path` so that it is whole or absent, never half-written: `write(tmp)` writes it
+    under a temporary name beside it, which is flushed to disk and renamed over `path` (`publish`). Every file a
+    run or tool writes goes through here. A failure leaves `path` as it was and removes the temporary; one for lack
+    of space, quota or permission is a WriteFailed naming `path` and the free space."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")  # the suffix: savefig, np.save read it
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with failed_write_is_said(path):
+            write(tmp)
+            publish(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        remove(tmp)
+
+
+@contextmanager
+def failed_write_is_said(path):
+    """An error while writing `path` that the filesystem explains (no space, quota, permissions, a folder gone)
+    becomes a WriteFailed naming `path`, its reason and the free space there; any other error is raised as it is.
+    PyTorch's and safetensors' writers raise errors of their own that do not say why (`unexpected pos 704 vs
+    598`), so a small write next to `path` asks the filesystem."""
+    try:
+        yield
+    except Exception as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else _probe_write(Path(path).parent)
+        if reason is None:
+            raise
+        raise WriteFailed(path, reason) from None
+
+
+def _probe_write(folder):
+    """Why 64 KiB cannot be written to disk in `folder` (the OSError's words), or None when they can."""
+    probe = Path(folder) / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as file:
+            file.write(bytes(1 << 16))
+            file.flush()
+            os.fsync(file.fileno())  # a network filesystem may say no only here
+        return None
+    except OSError as error:
+        return error.strerror or str(error)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _free_space(path):
+    """The free space on the filesystem of `path` (its nearest existing folder), e.g. '1.2 MB'."""
+    folder = Path(path).absolute()
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if free >= size:
+            return f"{free / size:.1f} {unit}"
+    return f"{free} bytes"
+
+
+def publish(tmp, final):
+    """Put the complete file or folder `tmp` in the place of `final`: flushed to disk first, so that the rename
+    never publishes data still in memory, then renamed (atomic); the rename itself is flushed too.
+
+    A folder replaces an existing one by two renames (a folder cannot be renamed over a full one): a kill
+    between them leaves `final` missing and `.final.old` complete, which the next call, or `remove_leftovers`
+    at the start of the next run, puts back.
+    """
+    old = final.with_name(f".{final.name}.old")
+    if old.exists() and not final.exists():
+        os.replace(old, final)
+    remove(old)
+    for item in [*tmp.rglob("*"), tmp] if tmp.is_dir() else [tmp]:
+        _fsync(item)
+    if tmp.is_dir() and final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    remove(old)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path):
+    """Delete a file or a folder tree, if it is there."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -24,8 +24,7 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
     epoch, lr, epoch_time_s = record["epoch"], record["lr"], record["epoch_time_s"]
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:
-        with open(Path(output_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        write_metrics(output_dir, [*read_metrics(output_dir), record])
     ema = f"ema_val_accuracy {100 * record['ema_val_accuracy']:.2f}%  " if "ema_val_accuracy" in record else ""
     accelerator.print(
         f"epoch {epoch}/{epochs}  train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  "
@@ -38,9 +37,13 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
 def truncate_metrics(output_dir, *, before_epoch):
     """Keep the lines of the epochs before `before_epoch`: a run resumed from an older checkpoint writes the
     later ones again."""
-    kept = [record for record in read_metrics(output_dir) if record["epoch"] < before_epoch]
+    write_metrics(output_dir, [record for record in read_metrics(output_dir) if record["epoch"] < before_epoch])
+
+
+def write_metrics(output_dir, records):
+    """metrics.jsonl rewritten whole (a line per epoch: small), never a half-written line after a kill or a full disk."""
     write_atomically(Path(output_dir) / "metrics.jsonl",
-                     lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in kept)))
+                     lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in records)))
 
 
 def read_metrics(output_dir):
@@ -51,13 +54,16 @@ def read_metrics(output_dir):
 def write_predictions(path, evaluation, *, class_names, files=None):
     """One row per evaluated image (common.evaluation.evaluate): index in the dataset, the image file when
     there are files, its label, the predicted class and its probability."""
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["index", *(["file"] if files else []), "label", "prediction", "probability"])
-        for index, label, probabilities in zip(evaluation["indices"], evaluation["labels"],
-                                               evaluation["probabilities"]):
-            writer.writerow([index, *([files[index]] if files else []), class_names[label],
-                             class_names[probabilities.argmax()], f"{probabilities.max():.6f}"])
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", *(["file"] if files else []), "label", "prediction", "probability"])
+            for index, label, probabilities in zip(evaluation["indices"], evaluation["labels"],
+                                                   evaluation["probabilities"]):
+                writer.writerow([index, *([files[index]] if files else []), class_names[label],
+                                 class_names[probabilities.argmax()], f"{probabilities.max():.6f}"])
+
+    write_atomically(path, write)
 
 
 def write_reports(output_dir, *, labels, predictions, class_names, curves=True):
@@ -69,9 +75,9 @@ def write_reports(output_dir, *, labels, predictions, class_names, curves=True):
     label_ids = list(range(len(class_names)))
     kwargs = dict(labels=label_ids, target_names=class_names, digits=4, zero_division=0)
     text = classification_report(labels, predictions, **kwargs)
-    (output_dir / "classification_report.txt").write_text(text)
+    write_atomically(output_dir / "classification_report.txt", lambda tmp: tmp.write_text(text))
     report = classification_report(labels, predictions, output_dict=True, **kwargs)
-    (output_dir / "classification_report.json").write_text(json.dumps(report, indent=2))
+    write_atomically(output_dir / "classification_report.json", lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
     plot_confusion_matrix(output_dir / "confusion_matrix.png",
                           confusion_matrix(labels, predictions, labels=label_ids), class_names)
     if curves:
@@ -105,7 +111,7 @@ def plot_confusion_matrix(path, matrix, class_names):
                 color="white" if matrix[i, j] > threshold else "black")
     ax.set_title(f"confusion matrix ({matrix.sum()} images)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
 
 
@@ -122,5 +128,5 @@ def plot_curves(path, records):
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)

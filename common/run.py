@@ -20,6 +20,8 @@ bar) in one small gather every CHECK_EVERY optimizer steps, or every LOOK_SECOND
 slow, before every checkpoint and at the end of each epoch.
 """
 
+import functools
+import math
 import os
 import signal
 import time
@@ -31,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import drop_later_checkpoints, load_checkpoint, save_best_model, save_checkpoint
 from .errors import Interrupted, UserError
-from .outputs import set_aside_earlier_run
+from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, truncate_metrics, write_reports
 
 # tqdm's monitor thread exits when the last bar closes, which is when evaluation starts its DataLoader workers:
@@ -54,6 +56,36 @@ def catch_sigterm():
     """From now on SIGTERM (what Slurm and Kubernetes send before a kill; torchrun passes it on to every
     process and gives them 30 s before a SIGKILL) only sets a flag, which TrainingRun reads at its next look."""
     signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
+
+
+def names_the_last_checkpoint(method):
+    """A TrainingRun method whose write fails (a full disk) says where the run can continue from."""
+
+    @functools.wraps(method)
+    def write(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except WriteFailed as error:
+            latest = self.output_dir / "checkpoints" / "latest"
+            error.fix = (f"The last complete checkpoint is {latest.parent / latest.read_text().strip()}: free some "
+                         "space, then run the same command with --resume latest (or auto) to continue from it."
+                         if latest.is_file() else "The run has no checkpoint yet: free some space, then run the same "
+                         "command with --resume auto (or --overwrite) to start it again.")
+            raise
+
+    return write
+
+
+def count_steps(train_dataloader, *, epochs, grad_accum, max_steps, processes):
+    """The run's optimizer steps: each process's batches (a prepared DataLoader: after the sharding) in
+    `epochs`, `grad_accum` batches a step, at most `max_steps`. Refused when a process would have no batch."""
+    batches = len(train_dataloader)
+    if batches == 0:
+        images, batch_size = len(train_dataloader.dataset), train_dataloader.total_batch_size // processes
+        raise UserError(f"{images} training images make {images // batch_size} full batch(es) of --batch_size "
+                        f"{batch_size}, fewer than the {processes} process(es): a process would train on nothing. "
+                        f"Lower --batch_size (to {max(1, images // processes)} at most) or launch fewer processes.")
+    return min(epochs * math.ceil(batches / grad_accum), max_steps or math.inf)
 
 
 def checkpoint_name(epoch, batch=None):
@@ -92,6 +124,7 @@ class TrainingRun:
 
     # ---- start ----
 
+    @names_the_last_checkpoint
     def start(self, checkpoint, *, model, lr_scheduler):
         """Continue from `checkpoint` (common.checkpoint.find_checkpoint; refused if it does not fit) or, for a
         new run, set an earlier run in the output folder aside: everything the run reads has been read by now."""
@@ -100,15 +133,10 @@ class TrainingRun:
         if checkpoint is None:
             set_aside_earlier_run(self.output_dir, accelerator)
         else:
-            load_checkpoint(accelerator, checkpoint, model=model, lr_scheduler=lr_scheduler,
-                            model_info=self.model_info, total_steps=self.total_steps)
+            load_checkpoint(accelerator, checkpoint, model=model, lr_scheduler=lr_scheduler, model_info=self.model_info)
             self.epoch, self.batch, self.step = checkpoint["epoch"], checkpoint["batch"], checkpoint["step"]
             self.best_accuracy, self._resumed_totals = checkpoint["best_accuracy"], checkpoint.get("epoch_totals")
             self.best_epoch = checkpoint.get("best_epoch", 0)
-            if self.out_of_patience:
-                raise UserError(f"checkpoint {checkpoint['path']} is the end of a run stopped early: val accuracy "
-                                f"did not improve for {self.patience} epoch(s) after epoch {self.best_epoch} "
-                                f"(--patience {self.patience}). Nothing to resume; its best model is in best/.")
             if accelerator.is_main_process:  # resuming an older checkpoint: the run goes on from there
                 drop_later_checkpoints(self.output_dir, checkpoint["path"])
                 truncate_metrics(self.output_dir, before_epoch=self.epoch)
@@ -186,6 +214,7 @@ class TrainingRun:
 
     # ---- the end of an epoch ----
 
+    @names_the_last_checkpoint
     def log_epoch(self, evaluation, ema_evaluation=None):
         """The epoch's line in metrics.jsonl, the trackers and the console (every process calls it); with an
         EMA of the weights, its evaluation too (`ema_val_*`)."""
@@ -204,6 +233,7 @@ class TrainingRun:
         log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)
         return record
 
+    @names_the_last_checkpoint
     def save_best(self, model, evaluation, *, weights="model"):
         """Replace best/ when this validation accuracy is the best so far. Called for the trained weights and
         for their EMA (`weights="ema"`), best/ holds the better of all; its meta.json says which."""
@@ -213,6 +243,7 @@ class TrainingRun:
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
                                   "metric": "val_accuracy", "value": evaluation["accuracy"]})
 
+    @names_the_last_checkpoint
     def save_checkpoint(self):
         """Checkpoint where the run stands (inside the epoch, or after it); after a SIGTERM, stop the run
         there with the command that continues it. Every process calls it."""
@@ -239,6 +270,7 @@ class TrainingRun:
         self.accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(weights)
         return model
 
+    @names_the_last_checkpoint
     def finish(self, evaluation):
         """The final reports from the last evaluation (main process), then close the trackers."""
         if self.accelerator.is_main_process:
@@ -248,6 +280,7 @@ class TrainingRun:
             self.accelerator.print(f"outputs written to {self.output_dir}")
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        unlock_output_dirs()  # the run is written: another may take the folder (at exit it would be released anyway)
 
     # ---- inside ----
 

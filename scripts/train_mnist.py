@@ -22,7 +22,6 @@ Checkpoints: output_dir/checkpoints/ after every epoch (and every --checkpoint_e
 continue a stopped run exactly, mid-epoch included, with the same command plus `--resume latest`.
 """
 
-import math
 import sys
 from functools import partial
 from pathlib import Path
@@ -40,7 +39,7 @@ from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
-from common.run import TrainingRun  # noqa: E402
+from common.run import TrainingRun, count_steps  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -89,7 +88,8 @@ def main(args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader, test_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, test_dataloader)
-    total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
+    total_steps = count_steps(train_dataloader, epochs=args.epochs, grad_accum=args.grad_accum,
+                              max_steps=args.max_steps, processes=accelerator.num_processes)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)

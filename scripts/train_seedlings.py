@@ -27,7 +27,6 @@ continue a stopped run with the same command plus `--resume latest`.
 """
 
 import argparse
-import math
 import sys
 from functools import partial
 from pathlib import Path
@@ -50,7 +49,7 @@ from common.models import build_ema, build_model, describe_model, load_pretraine
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
-from common.run import TrainingRun  # noqa: E402
+from common.run import TrainingRun, count_steps  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -130,9 +129,6 @@ def main(args):
                                              num_workers=num_workers, sampler=sampler)
     eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, shuffle=False,
                                             num_workers=num_workers)
-    if len(train_dataloader) == 0:
-        raise UserError(f"{len(train_set)} training images make no full batch of --batch_size {args.batch_size}: "
-                        "lower it")
     normalise = partial(preprocess, mean=mean, std=std, erasing=args.random_erasing)  # on the device
 
     def train_transform(images):
@@ -141,7 +137,8 @@ def main(args):
     eval_transform = partial(preprocess, mean=mean, std=std)
 
     # model and optimisation
-    model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last)
+    model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
+                        image_size=args.image_size)
     if args.pretrained and not checkpoint:
         accelerator.print(load_pretrained(model, args.model, args.pretrained))
     sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False
@@ -155,7 +152,8 @@ def main(args):
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
-    total_steps = min(args.epochs * math.ceil(len(train_dataloader) / args.grad_accum), args.max_steps or math.inf)
+    total_steps = count_steps(train_dataloader, epochs=args.epochs, grad_accum=args.grad_accum,
+                              max_steps=args.max_steps, processes=accelerator.num_processes)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction, min_lr_ratio=1e-6 / lr)
     mixup = Mixup(mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, prob=args.mixup_prob,

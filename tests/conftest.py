@@ -1,5 +1,6 @@
 """Shared fixtures: real data (CIFAR-10 JPEGs of tests/fixtures, Fashion-MNIST) and a helper that runs real launches."""
 
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -113,6 +114,35 @@ def wait_for(condition, process, timeout=180):
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def small_disk(path, *, megabytes=8):
+    """A tmpfs of `megabytes` mounted at `path` (a real filesystem that fills up); needs root."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(disk):
+    """Write disk/filler until the filesystem has no byte left; returns the filler."""
+    filler, block = disk / "filler", bytes(1 << 16)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, block)
+    except OSError:
+        return filler
+    finally:
+        os.close(fd)
+
+
 def write_idx(path, array):
     """Write a uint8 array as an IDX file (gzipped when the name ends in .gz)."""
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
@@ -187,3 +217,13 @@ def assert_each_test_sample_counted_once(metrics, report, labels, class_names):
     assert [report[name]["support"] for name in class_names] == counts
     assert report["macro avg"]["support"] == len(labels)
     assert all(record["val_samples"] == len(labels) for record in metrics)
+
+
+@pytest.fixture(autouse=True)
+def release_run_folders():
+    """A script's main called in this process (not run_main) that failed still holds its run folder's lock: let
+    the next test (or a launch) take the folder, as a new process would."""
+    yield
+    from common.outputs import unlock_output_dirs
+
+    unlock_output_dirs()

@@ -83,6 +83,7 @@ BAD_FLAGS = [
     ("predict.py", "--device", "gpu0"), ("evaluate.py", "--batch_size", "0"), ("export.py", "--tolerance", "nan"),
     ("benchmark_folders.py", "--sizes", "1000,x"), ("benchmark.py", "--images", "0"), ("benchmark.py", "--repeats", "0"),
     ("split_dataset.py", "--val_fraction", "1"), ("split_dataset.py", "--seed", "-1"),
+    ("train_mnist.py", "--output_dir", ""), ("train_seedlings.py", "--data_dir", " "), ("train_cifar.py", "--resume", ""),
 ]
 
 
@@ -484,4 +485,4 @@ def test_a_deleted_model_file_is_called_missing_not_corrupt(finished_run):
     checkpoint = sorted((finished_run / "checkpoints").glob("epoch_*"))[-1]
     (checkpoint / "model.safetensors").unlink()
     result = script("train_mnist.py", "--dataset", "digits", "--resume", checkpoint, "--output_dir", finished_run)
-    assert_refused(result, "model.safetensors is missing (deleted?)")
+    assert_refused(result, f"checkpoint {checkpoint} is damaged: {checkpoint / 'model.safetensors'} is missing")

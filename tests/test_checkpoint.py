@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint import _publish
+from common.outputs import publish
 from common.run import checkpoint_name
 from common.errors import UserError, run_main
 from common.flags import restore_args
-from conftest import (REPO, kill_everything, launch_command, load_script, run_command, spawn, wait_for,
-                      worker_pid)
+from common.reporting import read_metrics
+from conftest import (REPO, fill, kill_everything, launch_command, load_script, run_command, small_disk, spawn,
+                      wait_for, worker_pid)
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
@@ -116,14 +117,14 @@ def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repair
     (best / "stale.txt").write_text("only in the old folder")
     tmp.mkdir()
     (tmp / "model.safetensors").write_text("epoch 2")
-    _publish(tmp, best)
+    publish(tmp, best)
     assert [p.name for p in best.iterdir()] == ["model.safetensors"] and not tmp.exists() and not old.exists()
     assert (best / "model.safetensors").read_text() == "epoch 2"
 
     best.rename(old)  # killed after the first rename: no best/, the previous one in .best.old
     tmp.mkdir()
     (tmp / "model.safetensors").write_text("epoch 3")
-    _publish(tmp, best)
+    publish(tmp, best)
     assert (best / "model.safetensors").read_text() == "epoch 3" and not old.exists()
 
 
@@ -230,6 +231,70 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path
 
 
 @pytest.mark.slow
+def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_again(tmp_path, reference):
+    """metrics.jsonl and best/ come before the first checkpoint: a kill in between leaves a run's outputs and no
+    checkpoint. The plain command and --resume latest say so; --resume auto (a restart, a requeued job) sets
+    them aside and trains the run again, to the weights of the run that was never stopped."""
+    output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for _ in range(5):
+        shutil.rmtree(output_dir, ignore_errors=True)
+        process = start(*DIGITS, "--output_dir", output_dir, processes=2, log=tmp_path / "log")
+        wait_for(lambda: (checkpoints / ".tmp-epoch_001_end").exists() or (checkpoints / "latest").exists(), process)
+        kill_everything(process)  # launcher and both workers, no chance to clean up
+        if not (checkpoints / "latest").exists():  # the kill landed before the first save was published
+            break
+    else:
+        pytest.fail("the kill never landed during the first checkpoint write")
+    assert (output_dir / "metrics.jsonl").exists() and (output_dir / "best").is_dir()
+    assert "pid=" in (output_dir / ".lock").read_text()  # the killed run's lock, left behind
+
+    plain = train(*DIGITS, "--output_dir", output_dir, processes=1)
+    latest = train(*DIGITS, "--output_dir", output_dir, "--resume", "latest", processes=1)
+    for refused_run in (plain, latest):
+        assert refused_run.returncode == 2, refused_run.output
+        assert f"{output_dir} holds the outputs of a run that never reached its first checkpoint (metrics.jsonl, " \
+               "best)" in refused_run.output, refused_run.output
+    assert "Pass --overwrite (or --resume auto) to start it again" in plain.output
+    assert "Start it again with --resume auto or --overwrite." in latest.output
+
+    resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "auto", processes=2)
+    assert resumed.returncode == 0, resumed.output
+    assert f"the earlier run's outputs (metrics.jsonl, best) are in {output_dir / 'previous_run'}" in resumed.output
+    assert not (output_dir / "previous_run").exists() and not list(output_dir.glob(".*tmp*"))
+    assert not list(checkpoints.glob(".tmp-*"))
+    assert_same_run(output_dir, reference(2))
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_the_run_continues(tmp_path, reference):
+    """The disk fills up after the first checkpoint: whichever write fails (a checkpoint through PyTorch's own
+    writer, best/ through safetensors, metrics.jsonl) is named with the reason and the last complete checkpoint,
+    nothing half-written stays, and with space again --resume auto ends as the uninterrupted run."""
+    with small_disk(tmp_path / "disk") as disk:
+        output_dir, log = disk / "run", tmp_path / "log"
+        process = start(*DIGITS, "--output_dir", output_dir, processes=1, log=log)
+        wait_for(lambda: (output_dir / "checkpoints" / "latest").exists(), process)
+        filler = fill(disk)
+        assert process.wait(timeout=120) == 2, log.read_text()
+        output = log.read_text()
+        latest = output_dir / "checkpoints" / (output_dir / "checkpoints" / "latest").read_text().strip()
+        found = re.search(r"error: cannot write (\S+): No space left on device \(([\d.]+ \w+) free there\)\. Nothing "
+                          r"half-written was left\. The last complete checkpoint is (\S+): free some space, then run "
+                          r"the same command with --resume latest \(or auto\) to continue from it\.", output)
+        assert found and found.group(1).startswith(str(output_dir)) and found.group(3) == str(latest), output
+        assert "Traceback" not in output
+        leftovers = [p for p in output_dir.rglob(".*") if p.name != ".lock"]
+        assert not leftovers and not (output_dir / ".lock").exists(), leftovers
+        assert read_metrics(output_dir)  # every line whole
+
+        filler.unlink()
+        resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "auto")
+        assert resumed.returncode == 0, resumed.output
+        assert f"resumed from {latest}" in resumed.output
+        assert_same_run(output_dir, reference(1))
+
+
+@pytest.mark.slow
 def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_uninterrupted_one(tmp_path, reference):
     """`accelerate launch --max_restarts 1` + `--resume auto`: a SIGKILLed process after the first checkpoint;
     the launcher starts both processes again, they continue from the last checkpoint, and the launch exits 0
@@ -257,40 +322,80 @@ def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_un
 
 @pytest.mark.slow
 def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
-    finished, only_best = tmp_path / "finished", tmp_path / "only_best"
+    finished = tmp_path / "finished"
     shutil.copytree(reference(1), finished)
-    shutil.copytree(reference(1) / "best", only_best / "best")
     cases = [
-        (["--output_dir", finished, "--resume", "latest"], "is the end of a finished run (step 340 of 340)"),
+        (["--output_dir", finished, "--resume", "latest"], "is the end of a finished run (epoch 4 of 4 done)"),
         (["--output_dir", finished, "--resume", "latest", "--lr", 0.5],
          "--lr is 0.5 on the command line but unset (its default) in the checkpoint"),
+        # a typed value is refused even when it is the default (train_mnist.py's --epochs is 2)
+        (["--output_dir", finished, "--resume", "latest", "--epochs", 2],
+         "--epochs is 2 on the command line but 4 in the checkpoint"),
         (["--output_dir", tmp_path / "empty", "--resume", "latest"], "--resume latest: no checkpoint in"),
         (["--output_dir", finished, "--resume", "latest", "--overwrite"], "pass one of them"),
         # --resume auto continues only the run of this very command
-        ([*DIGITS, "--output_dir", finished, "--resume", "auto"], "is the end of a finished run (step 340 of 340)"),
         ([*DIGITS, "--output_dir", finished, "--resume", "auto", "--lr", 0.5, "--epochs", 5],
          f"--resume auto: {finished} holds another run (--epochs 4 there, 5 here; --lr unset there, 0.5 here). "
          "Continue that run with --resume latest"),
         (["--output_dir", finished, "--resume", "auto"], "holds another run (--dataset digits there, mnist here;"),
-        ([*DIGITS, "--output_dir", only_best, "--resume", "auto"], f"{only_best} already holds a run (best)"),
         (["--output_dir", finished, "--resume", tmp_path], "is not a checkpoint (no trainer_state.json in it)"),
     ]
     corrupt = finished / "checkpoints" / "epoch_002_end" / "model.safetensors"
     corrupt.write_bytes(corrupt.read_bytes()[:1000])
     cases.append((["--output_dir", tmp_path / "new", "--resume", corrupt.parent],
-                  f"{corrupt} is corrupt or not a safetensors file"))
+                  f"checkpoint {corrupt.parent} is damaged: {corrupt} holds 1000 bytes"))
     for args, message in cases:
         assert message in refused(MNIST, *args, capsys=capsys)
     assert metrics(finished) == metrics(reference(1))  # nothing of the run was touched
 
 
 @pytest.mark.slow
+def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_nothing_to_do(tmp_path, reference,
+                                                                                         capsys):
+    """A requeued job or a restart that finds the run finished ends with exit 0 (`auto`); `latest` refuses. The
+    2-process run's 44 steps are not the 86 of one process: finished is counted in epochs."""
+    finished = tmp_path / "finished"
+    shutil.copytree(reference(2), finished)
+    module = load_script("train_mnist.py")
+    with pytest.raises(SystemExit) as stop:
+        run_main(module.main, module.parse_args(list(map(str, [*DIGITS, "--output_dir", finished, "--resume", "auto"]))))
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == (f"--resume auto: the run in {finished} is finished (epoch 4 of 4 done): nothing "
+                                       f"to do. Its best model is in {finished / 'best'}\n")
+    assert "is the end of a finished run (epoch 4 of 4 done): nothing to resume" in refused(
+        MNIST, "--output_dir", finished, "--resume", "latest", capsys=capsys)
+    assert metrics(finished) == metrics(reference(2))
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, reference, capsys):
+    """Accelerate loads a random_states_0.pkl cut in half without a word (the resumed run then differs); the
+    sizes and checksums in trainer_state.json name it, and no other checkpoint is taken in its place."""
+    run = tmp_path / "run"
+    shutil.copytree(reference(1), run)
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    states = latest / "random_states_0.pkl"
+    size = states.stat().st_size
+    states.write_bytes(states.read_bytes()[:size // 2])
+    for resume in ("latest", "auto"):
+        message = refused(MNIST, *DIGITS, "--output_dir", run, "--resume", resume, capsys=capsys)
+        assert (f"checkpoint {latest} is damaged: {states} holds {size // 2} bytes, {size} when it was saved. It was "
+                "not used. Resume from another checkpoint (--resume ") in message, message
+    weights = run / "checkpoints" / "epoch_002_end" / "model.safetensors"
+    flipped = bytearray(weights.read_bytes())
+    flipped[-1] ^= 1  # same size, one bit
+    weights.write_bytes(bytes(flipped))
+    message = refused(MNIST, "--output_dir", run, "--resume", weights.parent, capsys=capsys)
+    assert f"{weights} does not hold what was saved (its checksum differs)" in message
+
+
+@pytest.mark.slow
 def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, cifar_jpegs, capsys):
     cifar_run = tmp_path / "cifar"
     result = train("--data_dir", cifar_jpegs, "--output_dir", cifar_run, "--epochs", 1, "--batch_size", 32,
-                   "--max_steps", 2, script=CIFAR)
+                   "--max_steps", 2, "--checkpoint_every", 1, "--keep_checkpoints", 3, script=CIFAR)
     assert result.returncode == 0, result.output
-    checkpoint = cifar_run / "checkpoints" / "epoch_001_end"
+    checkpoint = cifar_run / "checkpoints" / "epoch_001_batch_000001"  # the run goes on from there
     three_classes = tmp_path / "three_classes"
     for split in ("train", "test"):
         for name in sorted(p.name for p in (cifar_jpegs / split).iterdir() if p.is_dir())[:3]:

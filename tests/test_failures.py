@@ -1,16 +1,21 @@
 """Failure paths: an error never hangs, a run folder has one writer, a full disk or a kill strands nothing, a damaged
 checkpoint is never used, and a careless command gets one message, not a traceback."""
 
+import json
 import os
 import re
+import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, descendants, kill_everything, launch_command, spawn, wait_for
+from common.reporting import read_metrics
+from conftest import (REPO, descendants, fill, kill_everything, launch_command, run_command, small_disk, spawn,
+                      wait_for, worker_pid)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process
@@ -82,3 +87,227 @@ def _running(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---- one run writes a run folder at a time ----
+
+DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
+MNIST = REPO / "scripts" / "train_mnist.py"
+
+
+@pytest.mark.slow
+def test_a_second_launch_on_a_folder_in_use_is_refused_naming_the_holder_and_the_first_run_goes_on(tmp_path):
+    output_dir, log = tmp_path / "run", tmp_path / "first.log"
+    first = spawn(launch_command(MNIST, *DIGITS, "--output_dir", output_dir), log=log)
+    try:
+        wait_for(lambda: (output_dir / "checkpoints" / "latest").exists(), first)
+        holder = worker_pid(first.pid, rank=0)
+        workers = [holder, worker_pid(first.pid, rank=1)]
+        for pid in workers:  # held still, whatever this machine's speed: the second launch comes while it runs
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            for extra in ([], ["--resume", "auto"], ["--overwrite"]):  # the typo'd Slurm array, enter pressed twice
+                second = run_command(launch_command(MNIST, *DIGITS, "--output_dir", output_dir, *extra), timeout=120)
+                assert second.returncode != 0, second.output
+                assert (f"{output_dir} is being written by another run (process {holder} on {socket.gethostname()} "
+                        f"holds {output_dir.resolve() / '.lock'})") in second.output, second.output
+                assert "Traceback" not in second.output.split("Root Cause")[1], second.output
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        assert first.wait(timeout=300) == 0, log.read_text()
+    finally:
+        kill_everything(first)
+    assert [record["epoch"] for record in read_metrics(output_dir)] == [1, 2, 3, 4]  # untouched by the refused ones
+    assert not (output_dir / ".lock").exists()  # released at the end
+    assert not (output_dir / "previous_run").exists()
+
+
+HOLDER = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+import common.outputs as outputs
+outputs.LOCK_LEASE_S = 3
+assert outputs.lock_output_dir(sys.argv[1]) is None
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lock_held_on_another_machine_is_waited_for_then_refused_or_taken_over_once_it_expires(tmp_path,
+                                                                                                  monkeypatch):
+    """The holder runs in a UTS namespace of its own, under another hostname: its process cannot be seen from
+    here, so only its lease tells. Refreshed, it holds; its machine gone (SIGKILL), it expires after the lease."""
+    import common.outputs as outputs
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("another hostname needs root and unshare")
+    monkeypatch.setattr(outputs, "LOCK_LEASE_S", 3)
+    (tmp_path / "holder.py").write_text(HOLDER)
+    log = tmp_path / "holder.log"
+    holder = spawn(["unshare", "--uts", "sh", "-c", f"hostname other-machine && exec {sys.executable} "
+                    f"{tmp_path / 'holder.py'} {tmp_path}"], log=log)
+    try:
+        wait_for(lambda: "held" in log.read_text(), holder)
+        started = time.monotonic()
+        problem = outputs.lock_output_dir(tmp_path)
+        assert time.monotonic() - started >= 3  # it waited out a lease, the holder refreshed it
+        assert re.fullmatch(rf"{tmp_path} is being written by another run \(process \d+ on other-machine holds "
+                            rf"{tmp_path / '.lock'}\)\. Wait for it to end or stop it, or choose another --output_dir\.",
+                            problem), problem
+        kill_everything(holder)  # its machine is lost: no refresh any more, and no process here to look at
+        assert outputs.lock_output_dir(tmp_path) is None
+        assert f"pid={os.getpid()}" in (tmp_path / ".lock").read_text()
+    finally:
+        kill_everything(holder)
+        outputs.unlock_output_dirs()
+
+
+# ---- a full disk: one message naming the file, nothing half-written ----
+
+def test_the_one_writer_names_the_file_the_reason_and_the_free_space_and_leaves_nothing(tmp_path):
+    """Python's own OSError and the writers that hide the reason (PyTorch's zip writer: `unexpected pos`)."""
+    import torch
+
+    from common.outputs import WriteFailed, write_atomically
+
+    with small_disk(tmp_path / "disk", megabytes=1) as disk:
+        (disk / "model.pt").write_text("the earlier file")
+        fill(disk)
+        for name, write in (("model.pt", lambda tmp: torch.save(torch.zeros(1 << 16), tmp)),
+                            ("report.json", lambda tmp: tmp.write_text("x" * (1 << 20)))):
+            with pytest.raises(WriteFailed) as failed:
+                write_atomically(disk / name, write)
+            assert re.fullmatch(rf"cannot write {disk / name}: No space left on device \(\d+ bytes free there\)\. "
+                                r"Nothing half-written was left\. Free some space \(or choose another place\) and run "
+                                r"the command again\.", str(failed.value)), str(failed.value)
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "model.pt"]
+        assert (disk / "model.pt").read_text() == "the earlier file"
+
+
+@pytest.mark.slow
+def test_predict_evaluate_and_compute_mean_std_on_a_full_disk_say_so_and_write_nothing(tmp_path, digits_run,
+                                                                                       seedlings):
+    with small_disk(tmp_path / "disk", megabytes=1) as disk:
+        fill(disk)
+        images = tmp_path / "images"
+        images.mkdir()
+        for path in sorted(seedlings.rglob("*.png"))[:3]:
+            shutil.copy(path, images / path.name)
+        tools = {disk / "predictions.csv": ["predict.py", "--model_dir", digits_run, "--output",
+                                            disk / "predictions.csv", images],
+                 disk / "eval" / "classification_report.txt": ["evaluate.py", "--model_dir", digits_run,
+                                                               "--output_dir", disk / "eval"],
+                 disk / "mean_std.json": ["compute_mean_std.py", images, "--output", disk / "mean_std.json"]}
+        for output, command in tools.items():
+            result = run_command([sys.executable, REPO / "scripts" / command[0], *command[1:]])
+            assert result.returncode == 2, result.output
+            assert f"error: cannot write {output}: No space left on device" in result.output, result.output
+            assert "Traceback" not in result.output
+        written = [p for p in disk.rglob("*") if p.is_file() and p.name != "filler"]
+        assert not written, written
+
+
+def test_what_a_killed_run_left_half_written_is_cleared_and_a_best_folder_moved_aside_comes_back(tmp_path):
+    from common.outputs import remove_leftovers
+
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for folder in (run / ".best.old", checkpoints / ".tmp-epoch_002_end", checkpoints / "epoch_001_end"):
+        folder.mkdir(parents=True)
+    (run / ".best.old" / "model.safetensors").write_text("the best model")
+    (run / ".metrics.jsonl.4242.tmp.jsonl").write_text('{"epoch": 1')
+    (run / ".shared-check-0123").touch()
+    (run / ".notes.old").write_text("not ours")
+    (run / ".lock").write_text("a lock")
+    remove_leftovers(run)
+    assert sorted(p.name for p in run.iterdir()) == [".lock", ".notes.old", "best", "checkpoints"]
+    assert (run / "best" / "model.safetensors").read_text() == "the best model"
+    assert [p.name for p in checkpoints.iterdir()] == ["epoch_001_end"]
+
+
+# ---- small or odd data, careless commands: one message each ----
+
+def test_odd_folders_are_named(tmp_path, seedlings):
+    from common.errors import UserError
+    from common.folders import find_images, find_splits
+
+    one_class = tmp_path / "one_class"
+    shutil.copytree(seedlings / "Maize", one_class / "plant-seedlings" / "Maize")
+    shutil.copytree(seedlings / "Maize", tmp_path / "split" / "train" / "Maize")
+    shutil.copytree(seedlings / "Charlock", tmp_path / "split" / "train" / "Charlock")
+    loop, fifo = tmp_path / "loop", tmp_path / "fifo"
+    shutil.copytree(seedlings, loop)
+    (loop / "Maize" / "odd.png").symlink_to("odd.png")
+    shutil.copytree(seedlings, fifo)
+    os.mkfifo(fifo / "Maize" / "stream.png")  # reading it would block forever
+    cases = [
+        (lambda: find_splits(one_class / "plant-seedlings", val_fraction=0.3, seed=0),
+         "has one class folder (Maize): a classifier needs at least 2 classes"),
+        (lambda: find_splits(one_class, val_fraction=0.3, seed=0),
+         f"has no images (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff) but folders: did you mean --data_dir "
+         f"{one_class / 'plant-seedlings'}?"),
+        (lambda: find_splits(tmp_path / "split", val_fraction=0.3, seed=0),
+         f"{tmp_path / 'split'} has train/ but no val/: add {tmp_path / 'split' / 'val'}/<class>/<image>, or pass "
+         f"--data_dir {tmp_path / 'split' / 'train'} to split the training images here"),
+        (lambda: find_splits(loop, val_fraction=0.3, seed=0), f"{loop / 'Maize' / 'odd.png'} is a symbolic link loop"),
+        (lambda: find_splits(fifo, val_fraction=0.3, seed=0), f"{fifo / 'Maize' / 'stream.png'} is a FIFO (named pipe)"),
+        (lambda: find_images([fifo / "Maize"]), f"{fifo / 'Maize' / 'stream.png'} is a FIFO (named pipe)"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UserError) as refused:
+            call()
+        assert message in str(refused.value), str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_split_too_small_for_every_process_to_get_a_batch_is_one_message(tmp_path, seedlings):
+    """59 training images make one full batch of 32: with 2 processes one would train on nothing (before: both
+    ended in an UnboundLocalError after '0 optimizer steps')."""
+    result = run_command(launch_command(SEEDLINGS, "--data_dir", seedlings, "--output_dir", tmp_path / "run", "--model",
+                                        "resnet18", "--image_size", 32, "--batch_size", 32, "--num_workers", 1))
+    assert result.returncode != 0
+    assert ("59 training images make 1 full batch(es) of --batch_size 32, fewer than the 2 process(es): a process "
+            "would train on nothing. Lower --batch_size (to 29 at most) or launch fewer processes.") in result.output
+    assert "Traceback" not in result.output.split("Root Cause")[1], result.output
+
+
+def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, capsys, monkeypatch):
+    import torch
+
+    from common.errors import run_main
+    from common.exported import load_exported
+    from conftest import load_script
+
+    def refused(name, *args):
+        module = load_script(name)
+        with pytest.raises(SystemExit) as stop:
+            run_main(module.main, module.parse_args(list(map(str, args))))
+        assert stop.value.code == 2
+        return capsys.readouterr().err
+
+    message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "vit",
+                      "--model", "vit_tiny_patch16_224", "--image_size", 32)
+    assert "--model vit_tiny_patch16_224 takes only 224x224 images and this run gives it 32x32" in message
+
+    (tmp_path / "logs_is_a_file" / "logs").parent.mkdir()
+    (tmp_path / "logs_is_a_file" / "logs").write_text("my notes")
+    message = refused("train_mnist.py", "--dataset", "digits", "--output_dir", tmp_path / "logs_is_a_file",
+                      "--report_to", "tensorboard")
+    assert f"--report_to tensorboard: {tmp_path / 'logs_is_a_file' / 'logs'} is a file" in message
+
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "whole_model.pth")
+    message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "pickled",
+                      *SMALL_SEEDLINGS, "--pretrained", tmp_path / "whole_model.pth")
+    assert (f"--pretrained {tmp_path / 'whole_model.pth'} holds pickled Python objects (torch.nn.modules.linear."
+            "Linear), not only tensors") in message
+
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"not read: onnxruntime is missing")
+    meta = json.loads((digits_run / "best" / "meta.json").read_text())
+    onnx.with_suffix(".json").write_text(json.dumps({**meta, "format": "onnx"}))
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match="needs onnxruntime to run, and it is not installed: pip install -r "
+                                        "requirements-export.txt"):
+        load_exported(onnx)
