@@ -130,8 +130,9 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
     the newest `keep`; returns the path.
 
     Every process writes into checkpoints/.tmp-NAME (its RNG state; the main process the rest), then the
-    main process adds trainer_state.json, flushes it all to disk and renames the folder, which is atomic;
-    only then does it rewrite `latest` (atomically too) and delete old checkpoints.
+    main process adds trainer_state.json (with every file's size and checksum), flushes it all to disk and
+    renames the folder, which is atomic (`publish`); only then does it rewrite `latest` (atomically too) and
+    delete old checkpoints. A failed write (a full disk) removes .tmp-NAME and is a WriteFailed naming it.
     """
     checkpoints = Path(output_dir) / "checkpoints"
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
@@ -155,8 +156,8 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
         write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
         remove_previous_run(output_dir)  # the run an --overwrite replaced: this run can now be resumed instead
         names = sorted(path.name for path in checkpoints.glob("epoch_*"))  # training order; `name` is the last
-        for stale in [*checkpoints.glob(".tmp-*"), *(checkpoints / old for old in names[:-keep])]:
-            remove(stale)  # a .tmp- folder is a save that was killed
+        for old in names[:-keep]:
+            remove(checkpoints / old)
     accelerator.wait_for_everyone()
     return final
 

@@ -176,8 +176,11 @@ def resolve_args(args, *, parse_args, runtime=()):
     finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
                                 patience=getattr(args, "patience", None))
     if finished and args.resume == "auto":
+        unreported = not (Path(args.output_dir) / "classification_report.json").exists()  # it stopped writing them
         raise NothingToDo(f"--resume auto: the run in {args.output_dir} is finished ({finished}): nothing to do. "
-                          f"Its best model is in {Path(args.output_dir) / 'best'}")
+                          f"Its best model is in {Path(args.output_dir) / 'best'}"
+                          + (f"; its final reports were not written (scripts/evaluate.py --model_dir "
+                             f"{args.output_dir} writes those of best/)" if unreported else ""))
     if finished:
         raise UserError(f"checkpoint {checkpoint['path']} is the end of a finished run ({finished}): nothing to "
                         "resume. Its best model is in best/.")
@@ -224,8 +227,9 @@ def restore_args(args, saved, *, parse_args, runtime=()):
     """The arguments of a resumed run: the checkpoint's, except RUNTIME_ARGS and `runtime`.
 
     A flag not typed takes the checkpoint's value; one typed with another value than the checkpoint's is
-    refused (its default value too: `--epochs 2` on a 3-epoch run), since the run could not continue as it began. The result goes through
-    `parse_args` again, so a value edited by hand in trainer_state.json is checked like a typed one.
+    refused (its default value too: `--epochs 2` on a 3-epoch run), since the run could not continue as it
+    began. The result goes through `parse_args` again, so a value edited by hand in trainer_state.json is
+    checked like a typed one.
     """
     defaults = vars(parse_args([]))
     restored = dict(vars(args))

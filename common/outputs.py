@@ -98,20 +98,31 @@ def lock_output_dir(output_dir):
     try:
         lease.acquire()
     except Timeout:
-        owner = lease.owner
-        if owner is not None and owner.hostname != _lock_host_name():
+        owner, here = lease.owner, _lock_host_name()
+        wait = owner is not None and owner.hostname != here
+        if wait:
             print(f"{output_dir} is locked by process {owner.pid} on {owner.hostname}: waiting up to "
                   f"{LOCK_LEASE_S} s in case that run was lost with its machine", flush=True)
-            try:
-                lease.acquire(timeout=LOCK_LEASE_S * 1.25)
-            except Timeout:
-                owner = lease.owner
+        elif owner is not None and _is_zombie(owner.pid):
+            lease.force_break()  # it was killed, and its parent has not collected it yet: filelock sees it alive
+        try:
+            lease.acquire(timeout=LOCK_LEASE_S * 1.25 if wait else 0)
+        except Timeout:
+            owner = lease.owner
         if not lease.is_locked:
             holder = f"process {owner.pid} on {owner.hostname}" if owner else "another process"
             return (f"{output_dir} is being written by another run ({holder} holds {folder / LOCK_FILE}). Wait for it "
                     "to end or stop it, or choose another --output_dir.")
     _locks[folder] = lease
     return None
+
+
+def _is_zombie(pid):
+    """Whether process `pid` of this machine has exited but not been collected by its parent (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _lock_host_name():
@@ -172,11 +183,12 @@ def set_aside_earlier_run(output_dir, accelerator):
     earlier = earlier_run(output_dir)
     if accelerator.is_main_process and earlier:
         previous = output_dir / PREVIOUS_RUN
-        shutil.rmtree(previous, ignore_errors=True)
-        previous.mkdir()
-        for name in RUN_OUTPUTS:
-            if (output_dir / name).exists():
-                os.replace(output_dir / name, previous / name)
+        remove(previous)
+        with failed_write_is_said(previous):  # a folder needs a block too
+            previous.mkdir()
+            for name in RUN_OUTPUTS:
+                if (output_dir / name).exists():
+                    os.replace(output_dir / name, previous / name)
         accelerator.print(f"the earlier run's outputs ({', '.join(earlier)}) are in {previous} until this run's first "
                           "checkpoint")
     accelerator.wait_for_everyone()
@@ -184,7 +196,7 @@ def set_aside_earlier_run(output_dir, accelerator):
 
 def remove_previous_run(output_dir):
     """The new run has a checkpoint of its own: the run it replaced is no longer needed (main process)."""
-    shutil.rmtree(Path(output_dir) / PREVIOUS_RUN, ignore_errors=True)
+    remove(Path(output_dir) / PREVIOUS_RUN)
 
 
 def check_shared(output_dir, accelerator):

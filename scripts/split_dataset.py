@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, seed  # noqa: E402
 from common.folders import list_image_folder, split_dataset  # noqa: E402
-from common.outputs import check_not_inside  # noqa: E402
+from common.outputs import check_not_inside, write_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -44,24 +44,22 @@ def main(args):
         raise UserError(f"{source} is already split into train/ and val/: train on it as it is")
     files, labels, classes, skipped = list_image_folder(source)
     train, val = split_dataset(labels, val_fraction=args.val_fraction, seed=args.seed, classes=classes)
-    # written into a hidden folder beside the target and renamed at the end: a failure leaves no half target
-    partial = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
     place = os.link if args.link else shutil.copy2
-    try:
+
+    def write(tree):  # a hidden folder beside the target, renamed at the end: a failure leaves no half target
         for split, indices in (("train", train), ("val", val)):
             for i in indices:
-                destination = partial / split / classes[labels[i]] / files[i].name
+                destination = tree / split / classes[labels[i]] / files[i].name
                 destination.parent.mkdir(parents=True, exist_ok=True)
-                place(files[i], destination)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        os.replace(partial, target)
-    except OSError as error:
-        shutil.rmtree(partial, ignore_errors=True)
-        fix = ("--link needs the source and the target on the same filesystem: drop --link to copy"
-               if args.link and error.errno == errno.EXDEV else "nothing was written")
-        raise UserError(f"cannot write the split into {target} ({error.strerror}: {error.filename}); {fix}") from None
+                try:
+                    place(files[i], destination)
+                except OSError as error:
+                    if args.link and error.errno == errno.EXDEV:
+                        raise UserError(f"cannot write the split into {target} ({error.strerror}); --link needs the "
+                                        "source and the target on the same filesystem: drop --link to copy") from None
+                    raise
+
+    write_atomically(target, write)
     counts = {split: Counter(labels[i] for i in indices) for split, indices in (("train", train), ("val", val))}
     width = max(map(len, classes))
     print(f"{'class':<{width}}  train    val")

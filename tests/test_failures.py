@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,10 +84,15 @@ def all_gone(pids, timeout=10):
 
 
 def _running(pid):
+    return _state(pid) not in ("Z", None)
+
+
+def _state(pid):
+    """The state letter of process `pid` (R, S, D, Z ...), None when there is no such process."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return None
 
 
 # ---- one run writes a run folder at a time ----
@@ -311,3 +317,44 @@ def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, caps
     with pytest.raises(UserError, match="needs onnxruntime to run, and it is not installed: pip install -r "
                                         "requirements-export.txt"):
         load_exported(onnx)
+
+
+def test_a_resumed_run_refuses_a_typed_flag_even_at_its_default_value():
+    """train_mnist.py's --epochs defaults to 2: `--epochs 2` on a 4-epoch run was taken for "not given" and the
+    run silently trained on to 4. The parser now records what was typed (abbreviations and --flag=value too)."""
+    from common.errors import UserError
+    from common.flags import restore_args
+    from conftest import load_script
+
+    parse_args = load_script("train_mnist.py").parse_args
+    saved = {**vars(parse_args([])), "epochs": 4, "dataset": "digits"}
+    assert parse_args([]).typed == frozenset()
+    assert parse_args(["--epoch", "2", "--dataset=digits"]).typed == {"epochs", "dataset"}
+    assert "typed" not in vars(parse_args(["--epochs", "2"]))  # not one of the run's arguments
+    for argv in (["--epochs", "2"], ["--epoch=2"]):
+        with pytest.raises(UserError, match="--epochs is 2 on the command line but 4 in the checkpoint"):
+            restore_args(parse_args(argv), saved, parse_args=parse_args)
+    assert restore_args(parse_args(["--dataset", "digits"]), saved, parse_args=parse_args).epochs == 4
+    seedlings = load_script("train_seedlings.py").parse_args
+    assert seedlings(["--no-sync_bn"]).typed == {"sync_bn"}
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_even_before_its_parent_collects_it(tmp_path):
+    """A SIGKILLed process stays a zombie until its parent (or, its launcher dead too, the container's first
+    process) collects it; filelock would count it alive, and a requeued job would be refused."""
+    from common.outputs import lock_output_dir, unlock_output_dirs
+
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, sys; sys.path.insert(0, {str(REPO)!r}); "
+                               "import common.outputs as o; assert o.lock_output_dir(sys.argv[1]) is None; "
+                               "os.kill(os.getpid(), 9)", tmp_path])
+    try:
+        deadline = time.monotonic() + 60  # not holder.poll(), which would collect it
+        while not (tmp_path / ".lock").exists() or _state(holder.pid) != "Z":
+            assert time.monotonic() < deadline, "the holder never ended"
+            time.sleep(0.01)
+        assert f"pid={holder.pid}" in (tmp_path / ".lock").read_text()
+        assert lock_output_dir(tmp_path) is None  # before: "is being written by another run (process ... )"
+        assert f"pid={os.getpid()}" in (tmp_path / ".lock").read_text()
+    finally:
+        holder.wait()
+        unlock_output_dirs()

@@ -136,8 +136,8 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
     # the run is over: resuming it is refused (one process, so that no launcher prints around it), nothing is lost
     again = run_command([sys.executable, *command, "--resume", "latest"])
     assert again.returncode == 2 and "Traceback" not in again.output, again.output
-    assert (f"is the end of a run stopped early: val accuracy did not improve for 2 epoch(s) after epoch "
-            f"{best_epoch} (--patience 2)") in again.output, again.output
+    assert (f"is the end of a finished run (stopped early after epoch {len(records)}: val accuracy did not improve "
+            f"for 2 epoch(s) after epoch {best_epoch}, --patience 2)") in again.output, again.output
     assert metrics(output_dir) == records and (output_dir / "best" / "model.safetensors").exists()
 
 
