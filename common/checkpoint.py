@@ -9,7 +9,6 @@ except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open

@@ -10,7 +10,6 @@ import gzip
 import hashlib
 import io
 import math
-import os
 import pickle
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
