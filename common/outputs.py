@@ -93,20 +93,24 @@ def lock_output_dir(output_dir):
     folder = Path(output_dir).resolve()
     if folder in _locks:
         return None
+    if (folder / LOCK_FILE).is_dir():
+        return f"{folder / LOCK_FILE} is a folder, where a run keeps its lock file: remove it and run again"
     lease = SoftFileLease(folder / LOCK_FILE, lease_duration=LOCK_LEASE_S, heartbeat_interval=LOCK_LEASE_S / 6,
                           timeout=0)
     try:
         lease.acquire()
     except Timeout:
-        owner, here = lease.owner, _lock_host_name()
-        wait = owner is not None and owner.hostname != here
-        if wait:
+        owner, wait = lease.owner, 0
+        if owner is None:  # not a marker filelock can read (half-written, or not its own): it removes those after 2 s
+            wait = 3
+        elif owner.hostname != _lock_host_name():
             print(f"{output_dir} is locked by process {owner.pid} on {owner.hostname}: waiting up to "
                   f"{LOCK_LEASE_S} s in case that run was lost with its machine", flush=True)
-        elif owner is not None and _is_zombie(owner.pid):
+            wait = LOCK_LEASE_S * 1.25
+        elif _is_zombie(owner.pid):
             lease.force_break()  # it was killed, and its parent has not collected it yet: filelock sees it alive
         try:
-            lease.acquire(timeout=LOCK_LEASE_S * 1.25 if wait else 0)
+            lease.acquire(timeout=wait)
         except Timeout:
             owner = lease.owner
         if not lease.is_locked:

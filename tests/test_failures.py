@@ -358,3 +358,20 @@ def test_the_lock_of_a_killed_run_is_taken_over_even_before_its_parent_collects_
     finally:
         holder.wait()
         unlock_output_dirs()
+
+
+def test_an_unreadable_lock_file_is_taken_over_and_a_lock_folder_is_named(tmp_path):
+    """A marker cut short (a kill while filelock wrote it) or a stray file called .lock must not refuse every
+    run after it; filelock removes an unreadable marker after 2 s, which the first attempt now waits for."""
+    from common.outputs import lock_output_dir, unlock_output_dirs
+
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / ".lock").write_text("filelock/2\npid=12")
+    (tmp_path / "folder" / ".lock").mkdir(parents=True)
+    try:
+        assert lock_output_dir(tmp_path / "cut") is None
+        assert f"pid={os.getpid()}" in (tmp_path / "cut" / ".lock").read_text()
+        assert lock_output_dir(tmp_path / "folder") == (f"{tmp_path / 'folder' / '.lock'} is a folder, where a run "
+                                                        "keeps its lock file: remove it and run again")
+    finally:
+        unlock_output_dirs()
