@@ -23,8 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .errors import UserError
+from .images import check_classes, convert_image, list_image_folder, read_image, split_dataset
 from .outputs import WriteFailed, write_atomically
-from .folders import check_classes, convert_image, list_image_folder, read_image, split_dataset
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

@@ -1,7 +1,6 @@
 """Class-folder image datasets read from files (Plant Seedlings, or your own photos).
 
-`root/<class>/<image>` is listed once (non-image files skipped and counted), split 70/30 stratified
-and deterministically (or taken from `root/train` + `root/val`), and every image is decoded once up
+`root/<class>/<image>` is listed and split by common.images, and every image is decoded once up
 front so that a corrupt file stops the run at the start, by name, not hours in inside a worker.
 Training reads the files in DataLoader workers (random resized crop, flips, rotation) or, with
 `cache`, crops from images decoded and resized once into memory. Batches are uint8, like the
@@ -9,7 +8,6 @@ in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
 import atexit
-import errno
 import hashlib
 import json
 import math
@@ -17,155 +15,19 @@ import multiprocessing
 import multiprocessing.util  # noqa: F401  its exit function must be registered before ours
 import os
 import signal
-import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
+from .data import InMemoryDataset, build_dataloader
 from .errors import UserError
+from .images import read_image
 from .outputs import WriteFailed, write_atomically
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-def list_image_folder(root):
-    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files.
-    An entry that is neither a file nor a folder (a broken link, a link loop, a FIFO, a socket, a device), which
-    reading could not use or would block on, is refused by name."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
-                        f"folders, {root}/<class>/<image>.png")
-    classes = sorted(name for name, kind in _entries(root) if kind == "dir")
-    if not classes:
-        raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
-    files, labels, skipped = [], [], []
-    for label, name in enumerate(classes):
-        listed = sorted(_entries(root / name))
-        entries = [root / name / entry for entry, kind in listed if kind == "file"]
-        images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
-        if not images:
-            nested = any(kind == "dir" for _, kind in listed)  # most often: --data_dir one level too high
-            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})"
-                            + (f" but folders: did you mean --data_dir {root / name}?" if nested else ""))
-        files += images
-        labels += [label] * len(images)
-        skipped += [p for p in entries if p.suffix.lower() not in IMAGE_EXTENSIONS]
-    return files, labels, classes, skipped
-
-
-def _entries(folder):
-    """(name, "file" or "dir") of a folder's entries that are not hidden; anything else is refused by name.
-    os.scandir: the type comes with the listing, no stat per file (a million files: seconds, not minutes)."""
-    found = []
-    for entry in os.scandir(folder):
-        if entry.name.startswith("."):
-            continue
-        try:
-            kind = "file" if entry.is_file() else "dir" if entry.is_dir() else _kind(entry.path)
-        except OSError:  # is_file() follows links, and raises on a loop
-            kind = _kind(entry.path)
-        found.append((entry.name, kind))
-    return found
-
-
-def _kind(path):
-    """"file" or "dir" for what `path` is or links to; anything else (a broken link, a link loop, a FIFO, a socket,
-    a device), which reading could not use or would block on, is refused by name."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as error:
-        what = ("a symbolic link loop" if error.errno == errno.ELOOP else "a broken symbolic link"
-                if os.path.islink(path) else f"unreadable ({error.strerror})")
-    else:
-        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-            return "file" if stat.S_ISREG(mode) else "dir"
-        what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-    raise UserError(f"{path} is {what}, not an image or a folder: remove it (or fix the link) and run again")
-
-
-def check_classes(classes, root):
-    """A classifier needs two classes (one would train to 100% on anything)."""
-    if len(classes) < 2:
-        raise UserError(f"{root} has one class folder ({classes[0]}): a classifier needs at least 2 classes, one "
-                        "folder of images each")
-
-
-def find_images(inputs):
-    """Image files named in `inputs`, and those under the folders named there (recursive, sorted)."""
-    paths = []
-    for item in map(Path, inputs):
-        if not item.exists() and not item.is_symlink():
-            raise UserError(f"{item} does not exist")
-        if _kind(item) == "dir":
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and _kind(p) == "file")
-        else:
-            paths.append(item)
-    if not paths:
-        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
-    return paths
-
-
-def split_dataset(labels, *, val_fraction, seed, classes=None):
-    """Stratified (train, val) index lists: scikit-learn's train_test_split, as the seed's makedata.py, plus
-    stratify. Depends only on the sorted listing and the seed, so every rank and every run agree."""
-    counts = np.bincount(labels)
-    if counts.min() < 2:
-        names = classes or [f"class {label}" for label in range(len(counts))]
-        few = [f"{name} ({count})" for name, count in zip(names, counts) if count < 2]
-        raise UserError(f"cannot split into train and val: every class needs at least 2 images, and "
-                        f"{', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer. Add images, or remove the class "
-                        "folder")
-    from sklearn.model_selection import train_test_split  # imported here: only a split needs scikit-learn
-
-    try:
-        train, val = train_test_split(np.arange(len(labels)), test_size=val_fraction, random_state=seed,
-                                      stratify=labels)
-    except ValueError as error:  # too few images for a validation image per class
-        raise UserError(f"cannot split {len(labels)} images into train/val with --val_fraction {val_fraction}: "
-                        f"{error}") from None
-    return sorted(train.tolist()), sorted(val.tolist())
-
-
-def find_splits(data_dir, *, val_fraction, seed):
-    """({"files", "labels"} for train and val, classes, skipped) from `root/train` + `root/val`, or split from `root`."""
-    root = Path(data_dir)
-    train, val, test = (_is_split(root / name) for name in ("train", "val", "test"))
-    if train and not val and test:
-        raise UserError(f"{root} has train/ and test/: the folder that chooses the best model must be called val/ "
-                        f"(rename {root / 'test'} to {root / 'val'}), or pass --data_dir {root / 'train'} to split "
-                        "the training images here")
-    if train != val:
-        have, lack = ("train", "val") if train else ("val", "train")
-        raise UserError(f"{root} has {have}/ but no {lack}/: add {root / lack}/<class>/<image>, "
-                        + (f"or pass --data_dir {root / 'train'} to split the training images here (--val_fraction)"
-                           if train else f"or put the training images in {root / 'train'}/<class>/"))
-    if train and val:
-        train_files, train_labels, classes, skipped = list_image_folder(root / "train")
-        val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
-        if val_classes != classes:
-            only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
-            raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
-                            f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
-        check_classes(classes, root / "train")
-        return ({"files": train_files, "labels": train_labels}, {"files": val_files, "labels": val_labels},
-                classes, skipped + val_skipped)
-    files, labels, classes, skipped = list_image_folder(root)
-    check_classes(classes, root)
-    train, val = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
-    return ({"files": [files[i] for i in train], "labels": [labels[i] for i in train]},
-            {"files": [files[i] for i in val], "labels": [labels[i] for i in val]}, classes, skipped)
-
-
-def _is_split(folder):
-    """A train/, val/ or test/ folder of class folders (not a class that happens to be called "train")."""
-    return folder.is_dir() and any(kind == "dir" for _, kind in _entries(folder))
 
 
 def read_mean_std(path):
@@ -183,25 +45,6 @@ def read_mean_std(path):
                         f"std {std}. A std of 0 means a channel has one value in every image: leave --mean_std out "
                         "to use ImageNet's")
     return tuple(mean), tuple(std)
-
-
-def read_image(path, *, channels=3):
-    """An image file as a PIL image in RGB (`channels` 3; RGBA, palette and grayscale files too) or grayscale (1),
-    through `convert_image`. Raises OSError or ValueError for a file that is not a readable image."""
-    try:
-        with Image.open(path) as image:
-            return convert_image(image, channels=channels)
-    except Image.DecompressionBombError as error:  # not an OSError: make it one more unreadable image
-        raise ValueError(str(error)) from None
-
-
-def convert_image(image, *, channels=3):
-    """A PIL image in RGB or grayscale. 16-bit images (Pillow modes I;16 and I: grayscale PNGs, TIFFs) are
-    scaled to 8 bits, 65535 -> 255: Pillow's own convert clips them, and nearly every pixel turns white."""
-    if image.mode.startswith("I"):
-        wide = np.asarray(image, dtype=np.float64)
-        image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))
-    return image.convert("L" if channels == 1 else "RGB")
 
 
 def check_images(files, *, skip_bad_images, cache_size=None, accelerator=None, record=None):
@@ -445,8 +288,6 @@ def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_si
                                     accelerator=accelerator, record=record)
     labels = [split["labels"][i] for i in good]
     if cache is not None and transform is None:
-        from .data import InMemoryDataset  # imported here: common.data imports this module
-
         dataset = InMemoryDataset(cache, torch.tensor(labels), classes, rows=good)
     else:
         dataset = ImageFileDataset([split["files"][i] for i in good], labels, classes, transform=transform,
@@ -557,8 +398,6 @@ def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_
     As for the in-memory loader, a generator of its own keeps the global RNG out of it.
     """
     if hasattr(dataset, "__getitems__"):
-        from .data import build_dataloader
-
         return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, sampler=sampler)
     num_workers = choose_num_workers(num_workers)[0]
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,

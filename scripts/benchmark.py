@@ -46,7 +46,7 @@ from common.flags import ArgumentParser, device, nonnegative_int, positive_int  
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, InMemoryDataset, build_dataloader, decode_image, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
-from common.folders import list_image_folder  # noqa: E402
+from common.images import list_image_folder  # noqa: E402
 from common.models import build_model  # noqa: E402
 
 

@@ -31,8 +31,8 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import score  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
-from common.folders import (ImageFileDataset, build_eval_transform, build_file_dataloader,  # noqa: E402
-                            check_images, list_image_folder)
+from common.folders import ImageFileDataset, build_eval_transform, build_file_dataloader, check_images  # noqa: E402
+from common.images import list_image_folder  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
 
 DATASETS = ("cifar10", "mnist", "fashion_mnist", "digits", "folder")

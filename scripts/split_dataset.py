@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, seed  # noqa: E402
-from common.folders import list_image_folder, split_dataset  # noqa: E402
+from common.images import list_image_folder, split_dataset  # noqa: E402
 from common.outputs import check_not_inside, write_atomically  # noqa: E402
 
 

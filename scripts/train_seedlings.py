@@ -44,7 +44,8 @@ from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnega
                           nonnegative_int, number, positive_int, probability, resolve_args)
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
                             build_file_dataloader, build_folder_dataset, build_train_transform, choose_num_workers,
-                            find_splits, read_mean_std, resize_size)
+                            read_mean_std, resize_size)
+from common.images import find_splits  # noqa: E402
 from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402

@@ -20,7 +20,7 @@ from common.checkpoint import find_checkpoint, load_best_model
 from common.data import build_cifar10, build_mnist
 from common.errors import UserError
 from common.flags import ArgumentParser
-from common.folders import find_splits, read_image
+from common.images import find_splits, read_image
 from conftest import REPO, load_script, script, write_idx
 
 SCRIPTS = REPO / "scripts"

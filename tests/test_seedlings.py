@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from common.errors import UserError
 from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset, build_train_transform,
-                            check_images, find_splits, list_image_folder, read_image, split_dataset)
+                            check_images)
+from common.images import find_splits, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
@@ -298,7 +299,8 @@ def test_class_balanced_sampler_and_weights():
 
 
 def test_folder_augmentation_is_a_function_of_seed_epoch_and_index(seedlings):
-    from common.folders import ImageFileDataset, build_train_transform, list_image_folder
+    from common.folders import ImageFileDataset, build_train_transform
+    from common.images import list_image_folder
 
     files, labels, classes, _ = list_image_folder(seedlings)
     dataset = ImageFileDataset(files[:4], labels[:4], classes, transform=build_train_transform(32), seed=42)
