@@ -14,9 +14,10 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .errors import UserError
-from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, publish, remove, remove_previous_run,
-                      write_atomically)
+from .errors import NothingToDo, UserError
+from .flags import ArgumentParser, args_to_dict, check_args
+from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, has_checkpoint, publish, remove,
+                      remove_previous_run, write_atomically)
 from .models import build_model
 from .reporting import write_predictions
 
@@ -159,6 +160,87 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
             remove(checkpoints / old)
     accelerator.wait_for_everyone()
     return final
+
+
+def resolve_args(args, *, parse_args):
+    """(the arguments the run goes with, its checkpoint or None): the command line's, checked; with --resume,
+    the checkpoint's training arguments (`restore_args`) and the checkpoint itself (`find_checkpoint`).
+
+    `--resume auto` with no checkpoint starts the run (setting aside the outputs of one that never reached its
+    first checkpoint); on a finished run it stops with NothingToDo (exit 0), where `latest` refuses."""
+    check_args(args)
+    if not args.resume:
+        return args, None
+    if args.resume == "auto" and not has_checkpoint(args.output_dir):
+        return args, None  # nothing saved yet: a new run
+    checkpoint = find_checkpoint(args.output_dir, "latest" if args.resume == "auto" else args.resume)
+    if args.resume == "auto":
+        check_same_run(args, checkpoint)
+    args = restore_args(args, checkpoint["args"], parse_args=parse_args)
+    finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
+                                patience=getattr(args, "patience", None))
+    if finished and args.resume == "auto":
+        unreported = not (Path(args.output_dir) / "classification_report.json").exists()  # it stopped writing them
+        raise NothingToDo(f"--resume auto: the run in {args.output_dir} is finished ({finished}): nothing to do. "
+                          f"Its best model is in {Path(args.output_dir) / 'best'}"
+                          + (f"; its final reports were not written (scripts/evaluate.py --model_dir "
+                             f"{args.output_dir} writes those of best/)" if unreported else ""))
+    if finished:
+        raise UserError(f"checkpoint {checkpoint['path']} is the end of a finished run ({finished}): nothing to "
+                        "resume. Its best model is in best/.")
+    return args, checkpoint
+
+
+def check_same_run(args, checkpoint):
+    """--resume auto continues only the run this very command started: every argument that says what the run
+    computes (all but the runtime flags) as in the checkpoint."""
+    ours, shown = args_to_dict(args), lambda value: "unset" if value is None else value
+    differ = [f"--{name} {shown(saved)} there, {shown(ours.get(name))} here"
+              for name, saved in checkpoint["args"].items()
+              if name not in args.runtime and ours.get(name) != saved]
+    if differ:
+        raise UserError(f"--resume auto: {args.output_dir} holds another run ({'; '.join(differ)}). Continue that "
+                        "run with --resume latest (it keeps its own arguments), replace it with --overwrite in place "
+                        "of --resume, or choose another --output_dir.")
+
+
+def restore_args(args, saved, *, parse_args):
+    """The arguments of a resumed run: the checkpoint's, except the runtime flags.
+
+    A flag not typed takes the checkpoint's value; one typed with another value than the checkpoint's is
+    refused (its default value too: `--epochs 2` on a 3-epoch run), since the run could not continue as it
+    began. The result goes through `parse_args` again, so a value edited by hand in trainer_state.json is
+    checked like a typed one.
+    """
+    defaults = vars(parse_args([]))
+    restored = dict(vars(args))
+    typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
+    for name, value in saved.items():
+        if name in args.runtime or name not in restored or restored[name] == value:
+            continue
+        if (name in typed) if typed is not None else restored[name] != defaults[name]:
+            raise UserError(
+                f"--{name} is {restored[name]} on the command line but "
+                f"{'unset (its default)' if value is None else value} in the checkpoint. A resumed run "
+                f"keeps its arguments: drop --{name}, or start a new run in another --output_dir."
+            )
+        restored[name] = value
+    argv = []
+    for name, value in restored.items():
+        if value == defaults[name]:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{name}" if value else f"--no-{name}")
+        elif value is not None:
+            argv += [f"--{name}", str(value)]
+    ArgumentParser.raise_errors = True
+    try:
+        return parse_args(argv)
+    except UserError as error:
+        raise UserError(f"the arguments saved in the checkpoint (trainer_state.json) are not valid ({error}); was "
+                        "the file edited? Resume from another checkpoint, or fix the value.") from None
+    finally:
+        ArgumentParser.raise_errors = False
 
 
 def find_checkpoint(output_dir, resume):

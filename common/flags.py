@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import NothingToDo, UserError, exit_with_message
+from .errors import UserError, exit_with_message
 
 
 class ParsedArgs(argparse.Namespace):
-    """argparse's result, which also knows the flags the command line typed (`typed`: a slot, so that vars(args),
-    the run's arguments, leaves it out)."""
+    """argparse's result, which also knows the flags the command line typed (`typed`) and the runtime flags
+    (`runtime`, see ArgumentParser.add_runtime_argument); slots, so that vars(args), the run's arguments, leave
+    them out."""
 
-    __slots__ = ("typed",)
+    __slots__ = ("typed", "runtime")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -33,11 +34,20 @@ class ArgumentParser(argparse.ArgumentParser):
             raise UserError(text)
         exit_with_message(text, 2)
 
+    runtime_flags = frozenset()
+
+    def add_runtime_argument(self, *args, **kwargs):
+        """A flag that says where a run lives, how it loads data, reports or how fast it computes, not what it
+        computes: a resumed run takes it from the command line, every other flag from its checkpoint."""
+        action = self.add_argument(*args, **kwargs)
+        self.runtime_flags = self.runtime_flags | {action.dest}
+        return action
+
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         parsed, extras = super().parse_known_args(args, ParsedArgs() if namespace is None else namespace)
         if isinstance(parsed, ParsedArgs):
-            parsed.typed = self._typed(args)
+            parsed.typed, parsed.runtime = self._typed(args), self.runtime_flags
         return parsed, extras
 
     def _typed(self, args):
@@ -105,20 +115,21 @@ def device(text):
 
 def add_common_args(parser):
     """The flags every training script has. Each script sets its recipe's defaults with `parser.set_defaults`
-    (output_dir, epochs, batch_size, weight_decay, label_smoothing, schedule), so they stay visible there."""
-    parser.add_argument("--data_dir", type=path, default="data", help="dataset location (default: %(default)s)")
-    parser.add_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
-    parser.add_argument("--output_dir", type=path, default=None, help="run folder (default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true",
+    (output_dir, epochs, batch_size, weight_decay, label_smoothing, schedule), so they stay visible there.
+    The runtime ones (add_runtime_argument) may change when a run is resumed."""
+    parser.add_runtime_argument("--data_dir", type=path, default="data", help="dataset location (default: %(default)s)")
+    parser.add_runtime_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
+    parser.add_runtime_argument("--output_dir", type=path, default=None, help="run folder (default: %(default)s)")
+    parser.add_runtime_argument("--overwrite", action="store_true",
                         help="replace an earlier run in --output_dir (it is kept in previous_run/ until this run's "
                              "first checkpoint)")
-    parser.add_argument("--resume", type=path, default=None, metavar="latest|auto|PATH",
+    parser.add_runtime_argument("--resume", type=path, default=None, metavar="latest|auto|PATH",
                         help="continue a run: `latest` (the newest checkpoint in --output_dir), a checkpoint folder, "
                              "or `auto`: continue when --output_dir holds a checkpoint of this very command, start "
                              "when it holds none (for launcher restarts and requeued jobs)")
-    parser.add_argument("--checkpoint_every", type=positive_int, default=None, metavar="N",
+    parser.add_runtime_argument("--checkpoint_every", type=positive_int, default=None, metavar="N",
                         help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
-    parser.add_argument("--keep_checkpoints", type=positive_int, default=2, metavar="K",
+    parser.add_runtime_argument("--keep_checkpoints", type=positive_int, default=2, metavar="K",
                         help="keep the newest K checkpoints (default: %(default)s)")
     parser.add_argument("--epochs", type=positive_int, default=None, help="default: %(default)s")
     parser.add_argument("--batch_size", type=positive_int, default=None, help="per process (default: %(default)s)")
@@ -141,63 +152,18 @@ def add_common_args(parser):
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="override the accelerate config's setting; without a config: bf16 where the "
                              "device computes it natively (GPUs since Ampere, CPUs with AVX-512 BF16 or AMX), else no")
-    parser.add_argument("--channels_last", action="store_true",
+    parser.add_runtime_argument("--channels_last", action="store_true",
                         help="keep the model in channels-last memory format (faster convolutions with bf16/fp16 on GPUs)")
-    parser.add_argument("--compile", action="store_true",
+    parser.add_runtime_argument("--compile", action="store_true",
                         help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at the start)")
     parser.add_argument("--max_steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (smoke runs)")
     parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")
-    parser.add_argument("--dist_timeout", type=number(float, min=0, max=7 * 24 * 3600, min_open=True), default=600,
+    parser.add_runtime_argument("--dist_timeout", type=number(float, min=0, max=7 * 24 * 3600, min_open=True), default=600,
                         metavar="SECONDS",
                         help="a collective that waits longer (a hung or lost process) ends the job (default: %(default)s)")
-    parser.add_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
+    parser.add_runtime_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
                         help="experiment tracker through Accelerate (default: %(default)s)")
-
-
-def resolve_args(args, *, parse_args, runtime=()):
-    """(the arguments the run goes with, its checkpoint or None): the command line's, checked; with --resume,
-    the checkpoint's training arguments (`restore_args`) and the checkpoint itself (`find_checkpoint`).
-
-    `--resume auto` with no checkpoint starts the run (setting aside the outputs of one that never reached its
-    first checkpoint); on a finished run it stops with NothingToDo (exit 0), where `latest` refuses."""
-    from .checkpoint import find_checkpoint, finished_because
-    from .outputs import has_checkpoint
-
-    check_args(args)
-    if not args.resume:
-        return args, None
-    if args.resume == "auto" and not has_checkpoint(args.output_dir):
-        return args, None  # nothing saved yet: a new run
-    checkpoint = find_checkpoint(args.output_dir, "latest" if args.resume == "auto" else args.resume)
-    if args.resume == "auto":
-        check_same_run(args, checkpoint, runtime=runtime)
-    args = restore_args(args, checkpoint["args"], parse_args=parse_args, runtime=runtime)
-    finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
-                                patience=getattr(args, "patience", None))
-    if finished and args.resume == "auto":
-        unreported = not (Path(args.output_dir) / "classification_report.json").exists()  # it stopped writing them
-        raise NothingToDo(f"--resume auto: the run in {args.output_dir} is finished ({finished}): nothing to do. "
-                          f"Its best model is in {Path(args.output_dir) / 'best'}"
-                          + (f"; its final reports were not written (scripts/evaluate.py --model_dir "
-                             f"{args.output_dir} writes those of best/)" if unreported else ""))
-    if finished:
-        raise UserError(f"checkpoint {checkpoint['path']} is the end of a finished run ({finished}): nothing to "
-                        "resume. Its best model is in best/.")
-    return args, checkpoint
-
-
-def check_same_run(args, checkpoint, *, runtime=()):
-    """--resume auto continues only the run this very command started: every argument that says what the run
-    computes (all but RUNTIME_ARGS and `runtime`) as in the checkpoint."""
-    ours, shown = args_to_dict(args), lambda value: "unset" if value is None else value
-    differ = [f"--{name} {shown(saved)} there, {shown(ours.get(name))} here"
-              for name, saved in checkpoint["args"].items()
-              if name not in RUNTIME_ARGS and name not in runtime and ours.get(name) != saved]
-    if differ:
-        raise UserError(f"--resume auto: {args.output_dir} holds another run ({'; '.join(differ)}). Continue that "
-                        "run with --resume latest (it keeps its own arguments), replace it with --overwrite in place "
-                        "of --resume, or choose another --output_dir.")
 
 
 def check_args(args):
@@ -214,52 +180,6 @@ def check_args(args):
         if not (is_tensorboard_available if args.report_to == "tensorboard" else is_wandb_available)():
             raise UserError(f"--report_to {args.report_to}: the {args.report_to} package is not installed, so nothing "
                             f"would be logged. pip install {args.report_to}, or leave --report_to out")
-
-
-# flags that say where a run lives, how it loads data, how it reports and how fast it computes, not what it
-# computes: a resumed run takes them from the command line, and every other argument from its checkpoint.
-# A script adds its own (train_seedlings.py: --num_workers).
-RUNTIME_ARGS = {"data_dir", "download", "output_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints",
-                "report_to", "channels_last", "compile", "dist_timeout"}
-
-
-def restore_args(args, saved, *, parse_args, runtime=()):
-    """The arguments of a resumed run: the checkpoint's, except RUNTIME_ARGS and `runtime`.
-
-    A flag not typed takes the checkpoint's value; one typed with another value than the checkpoint's is
-    refused (its default value too: `--epochs 2` on a 3-epoch run), since the run could not continue as it
-    began. The result goes through `parse_args` again, so a value edited by hand in trainer_state.json is
-    checked like a typed one.
-    """
-    defaults = vars(parse_args([]))
-    restored = dict(vars(args))
-    typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
-    for name, value in saved.items():
-        if name in RUNTIME_ARGS or name in runtime or name not in restored or restored[name] == value:
-            continue
-        if (name in typed) if typed is not None else restored[name] != defaults[name]:
-            raise UserError(
-                f"--{name} is {restored[name]} on the command line but "
-                f"{'unset (its default)' if value is None else value} in the checkpoint. A resumed run "
-                f"keeps its arguments: drop --{name}, or start a new run in another --output_dir."
-            )
-        restored[name] = value
-    argv = []
-    for name, value in restored.items():
-        if value == defaults[name]:
-            continue
-        if isinstance(value, bool):
-            argv.append(f"--{name}" if value else f"--no-{name}")
-        elif value is not None:
-            argv += [f"--{name}", str(value)]
-    ArgumentParser.raise_errors = True
-    try:
-        return parse_args(argv)
-    except UserError as error:
-        raise UserError(f"the arguments saved in the checkpoint (trainer_state.json) are not valid ({error}); was "
-                        "the file edited? Resume from another checkpoint, or fix the value.") from None
-    finally:
-        ArgumentParser.raise_errors = False
 
 
 def args_to_dict(args):

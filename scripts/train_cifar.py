@@ -28,11 +28,12 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.checkpoint import resolve_args  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, score  # noqa: E402
-from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability, resolve_args  # noqa: E402
+from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability  # noqa: E402
 from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402

@@ -36,12 +36,13 @@ from accelerate.utils import set_seed
 from timm.data import Mixup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+from common.checkpoint import resolve_args  # noqa: E402
 from common.data import InMemoryDataset, preprocess, random_resized_crop  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
-                          nonnegative_int, number, positive_int, probability, resolve_args)
+                          nonnegative_int, number, positive_int, probability)
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
                             build_file_dataloader, build_folder_dataset, build_train_transform, choose_num_workers,
                             read_mean_std, resize_size)
@@ -67,8 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--mixup_switch_prob", type=probability, default=0.5, help="cutmix instead of mixup (default: %(default)s)")
     parser.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=None,
                         help="SyncBatchNorm (default: on with CUDA and more than one process, else off)")
-    parser.add_argument("--num_workers", type=nonnegative_int, default=None,
-                        help="DataLoader workers per process (default: from the cores per process, in the log)")
+    parser.add_runtime_argument("--num_workers", type=nonnegative_int, default=None,
+                                help="DataLoader workers per process (default: from the cores per process, in the log)")
     parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     parser.add_argument("--class_weights", choices=["none", "balanced"], default="none",
@@ -89,7 +90,7 @@ def parse_args(argv=None):
 
 def main(args):
     # --resume: the checkpoint's arguments, but for the loading flags
-    args, checkpoint = resolve_args(args, parse_args=parse_args, runtime={"num_workers"})
+    args, checkpoint = resolve_args(args, parse_args=parse_args)
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from common.outputs import publish
 from common.run import checkpoint_name
 from common.errors import UserError, run_main
-from common.flags import restore_args
+from common.checkpoint import restore_args
 from common.reporting import read_metrics
 from conftest import (REPO, fill, kill_everything, launch_command, load_script, run_command, small_disk, spawn,
                       wait_for, worker_pid)

@@ -323,7 +323,7 @@ def test_a_resumed_run_refuses_a_typed_flag_even_at_its_default_value():
     """train_mnist.py's --epochs defaults to 2: `--epochs 2` on a 4-epoch run was taken for "not given" and the
     run silently trained on to 4. The parser now records what was typed (abbreviations and --flag=value too)."""
     from common.errors import UserError
-    from common.flags import restore_args
+    from common.checkpoint import restore_args
     from conftest import load_script
 
     parse_args = load_script("train_mnist.py").parse_args
