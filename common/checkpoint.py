@@ -19,7 +19,7 @@ from .flags import ArgumentParser, args_to_dict, check_args
 from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, has_checkpoint, publish, remove,
                       remove_previous_run, write_atomically)
 from .models import build_model
-from .reporting import write_predictions
+from .reporting import truncate_metrics, write_predictions
 
 
 def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
@@ -339,8 +339,9 @@ def _check_state(state):
     return None
 
 
-def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info):
-    """Restore a checkpoint from `find_checkpoint` into the prepared objects and the LR schedule.
+def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info, output_dir):
+    """Restore a checkpoint from `find_checkpoint` into the prepared objects and the LR schedule; the run in
+    `output_dir` goes on from there (an older checkpoint's later ones and metrics lines go).
 
     Refuses, with both sides named, a checkpoint of another model or class count, and a mid-epoch one
     written by another number of processes (the data shards would differ).
@@ -367,6 +368,10 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info)
     except (RuntimeError, OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
         raise UserError(f"checkpoint {path} is damaged ({error}); resume from an earlier one in "
                         f"{path.parent}") from None
+    if accelerator.is_main_process:
+        drop_later_checkpoints(output_dir, path)
+        truncate_metrics(output_dir, before_epoch=checkpoint["epoch"])
+    accelerator.wait_for_everyone()
 
 
 def finished_because(checkpoint, *, epochs, max_steps=None, patience=None):

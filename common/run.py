@@ -7,6 +7,8 @@
         for batch in run.batches(train_dataloader):
             ...forward, loss, accelerator.backward, clip, optimizer and schedule step...
             run.record(loss, batch)
+            if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
+                run.save_checkpoint()  # after a SIGTERM the run stops here, saved
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=...)
         run.log_epoch(evaluation)
         run.save_best(model, evaluation)
@@ -15,9 +17,9 @@
 
 TrainingRun counts and writes; it owns no model, optimizer or loss and calls no training code. Its state
 is its attributes (epoch, batch, step, best accuracy, the epoch's totals), changed only by its methods.
-Nothing in `record` waits for the device at every step: the host looks (nan watch, SIGTERM agreement, progress
-bar) in one small gather every CHECK_EVERY optimizer steps, or every LOOK_SECONDS of training when steps are
-slow, before every checkpoint and at the end of each epoch.
+Nothing waits for the device at every step: the host looks (nan watch, SIGTERM agreement, progress bar) in one
+small gather every CHECK_EVERY optimizer steps, or every LOOK_SECONDS of training when steps are slow, before
+every checkpoint and at the end of each epoch.
 """
 
 import functools
@@ -31,10 +33,10 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .checkpoint import drop_later_checkpoints, load_checkpoint, save_best_model, save_checkpoint
+from .checkpoint import load_checkpoint, save_best_model, save_checkpoint
 from .errors import Interrupted, UserError
 from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
-from .reporting import log_epoch, truncate_metrics, write_reports
+from .reporting import log_epoch, write_reports
 
 # tqdm's monitor thread exits when the last bar closes, which is when evaluation starts its DataLoader workers:
 # a fork at that moment can deadlock the child (CPython deletes the other threads' states after a fork), and
@@ -110,7 +112,8 @@ class TrainingRun:
         self.lr_scheduler = None
         self.in_epoch = False  # between run.batches() and the end of its loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
-        self._totals = self._nonfinite = self._started = self._train = None
+        self._totals = self._nonfinite = self._started = self._train = self._loss = None
+        self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
 
     @property
@@ -133,14 +136,11 @@ class TrainingRun:
         if checkpoint is None:
             set_aside_earlier_run(self.output_dir, accelerator)
         else:
-            load_checkpoint(accelerator, checkpoint, model=model, lr_scheduler=lr_scheduler, model_info=self.model_info)
+            load_checkpoint(accelerator, checkpoint, model=model, lr_scheduler=lr_scheduler, model_info=self.model_info,
+                            output_dir=self.output_dir)
             self.epoch, self.batch, self.step = checkpoint["epoch"], checkpoint["batch"], checkpoint["step"]
             self.best_accuracy, self._resumed_totals = checkpoint["best_accuracy"], checkpoint.get("epoch_totals")
             self.best_epoch = checkpoint.get("best_epoch", 0)
-            if accelerator.is_main_process:  # resuming an older checkpoint: the run goes on from there
-                drop_later_checkpoints(self.output_dir, checkpoint["path"])
-                truncate_metrics(self.output_dir, before_epoch=self.epoch)
-            accelerator.wait_for_everyone()
             accelerator.print(f"resumed from {checkpoint['path']}: epoch {self.epoch}, batch {self.batch}, "
                               f"step {self.step} of {self.total_steps}")
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -182,7 +182,7 @@ class TrainingRun:
                             mininterval=2, disable=not self.accelerator.is_main_process)
         for batch in progress_bar:
             yield batch
-            if self._last_look[0] == self.step and self.accelerator.sync_gradients:  # record() just looked
+            if self._last_look[0] == self.step and self._stepped:  # checkpoint_due() just looked
                 progress_bar.set_postfix(loss=f"{self._last_loss:.3f}", img_s=f"{self._images_per_s():,.0f}",
                                          lr=f"{self.lr_scheduler.get_last_lr()[0]:.2e}")
             if self.finished:
@@ -193,24 +193,28 @@ class TrainingRun:
         self.in_epoch = False
 
     def record(self, loss, batch):
-        """Count a trained batch (call it after the step). On an optimizer step: every CHECK_EVERY steps a look
-        at the device, every `checkpoint_every` steps a checkpoint; after a SIGTERM, a checkpoint and a stop."""
+        """Add a trained batch to the epoch's totals and count it (call it after the step); waits for nothing."""
         totals, labels = self._totals, batch["label"]
         totals["loss_sum"] += loss.detach() * len(labels)
         totals["samples"] += len(labels)
         totals["indices"].append(batch["index"])
         # the first step whose loss is nan/inf, kept on the device: the host sees it at the next look
         self._nonfinite = torch.minimum(self._nonfinite, torch.where(loss.detach().isfinite(), NO_STEP, self.step + 1))
+        self._loss, self._stepped = loss, self.accelerator.sync_gradients
         self.batch += 1
-        if not self.accelerator.sync_gradients:
-            return
-        self.step += 1
-        checkpoint_due = bool(self.checkpoint_every) and self.step % self.checkpoint_every == 0
-        if self.step < self._next_look and not checkpoint_due:
-            return
-        self._last_loss = loss.item()  # the host waits for the device here, and in _look
-        if checkpoint_due or self._look():  # a look that finds a SIGTERM: save, then stop
-            self.save_checkpoint()
+        self.step += self._stepped
+
+    def checkpoint_due(self):
+        """Whether to checkpoint now, after `record` (every process asks): every `checkpoint_every` optimizer
+        steps, and at once after a SIGTERM on any process. Every CHECK_EVERY steps (sooner when steps are
+        slow) it looks at the device in one small gather, where a nan/inf loss stops the run (NonFiniteLoss)."""
+        if not self._stepped:
+            return False
+        due = bool(self.checkpoint_every) and self.step % self.checkpoint_every == 0
+        if self.step < self._next_look and not due:
+            return False
+        self._last_loss = self._loss.item()  # the host waits for the device here, and in _look
+        return due or self._look()  # save_checkpoint looks too
 
     # ---- the end of an epoch ----
 

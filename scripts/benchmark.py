@@ -193,6 +193,8 @@ def small_model_rates(pixels, *, accelerator, device, steps, repeats, autocast):
             if accelerator.sync_gradients:
                 lr_scheduler.step()
             run.record(loss, batch)
+            if run.checkpoint_due():
+                run.save_checkpoint()
         return len(dataset)
 
     for loop in (plain, ours):

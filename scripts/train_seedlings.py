@@ -197,7 +197,9 @@ def main(args):
                 lr_scheduler.step()
                 if ema:
                     ema.update(model, step=run.step)
-            run.record(loss, batch)  # totals; every few steps: nan watch, SIGTERM, checkpoint
+            run.record(loss, batch)  # the epoch's totals
+            if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
+                run.save_checkpoint()  # after a SIGTERM the run stops here, saved (exit 143)
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform)
         ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=eval_transform) if ema else None
         run.log_epoch(evaluation, ema_evaluation)
