@@ -1,4 +1,4 @@
-"""Checkpoints (exact resume) and the best model (safetensors + meta.json), each written so a kill cannot break them.
+"""Checkpoints, written so that a kill cannot break them, and resuming from them (exactly).
 
 A checkpoint is `accelerator.save_state` (model and optimizer, grad scaler, RNG of every process) plus
 trainer_state.json: where the run stands (epoch, batch within it, step, best accuracy, the epoch's running
@@ -8,120 +8,16 @@ except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
 
 from .errors import NothingToDo, UserError
 from .flags import ArgumentParser, args_to_dict, check_args
+from .models import check_weights, read_json
 from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, has_checkpoint, publish, remove,
                       remove_previous_run, write_atomically)
-from .models import build_model
-from .reporting import truncate_metrics, write_predictions
-
-
-def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
-    """Replace best/ as a whole: model.safetensors, meta.json (architecture, model_kwargs, classes,
-    preprocessing, epoch, metric, arguments) and val_predictions.csv (this evaluation, per image)."""
-    # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
-    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
-    if not accelerator.is_main_process:
-        return
-
-    def write(folder):
-        folder.mkdir()
-        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
-                  folder / "model.safetensors")
-        (folder / "meta.json").write_text(json.dumps(meta, indent=2))
-        write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
-
-    write_atomically(Path(output_dir) / "best", write)
-
-
-def load_best_model(model_dir):
-    """(model in eval mode, meta) from a best/ folder, a run's output folder (its best/) or a checkpoint (its
-    trainer_state.json describes the model as meta.json does); every way it can be wrong is a UserError."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "meta.json").exists() and (model_dir / "best" / "meta.json").is_file():
-        model_dir = model_dir / "best"
-    meta_path, weights_path = model_dir / "meta.json", model_dir / "model.safetensors"
-    if not meta_path.is_file() and (model_dir / "trainer_state.json").is_file():
-        meta_path = model_dir / "trainer_state.json"
-    if not meta_path.is_file():
-        raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote (or the run's folder, "
-                        "or one of its checkpoints)")
-    meta, problem = read_json(meta_path, check=check_meta)
-    if problem:
-        raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "
-                        "use the meta.json the run wrote beside model.safetensors")
-    model = build_model(meta["architecture"], **meta["model_kwargs"])
-    check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
-    model.load_state_dict(load_file(weights_path))
-    return model.eval(), meta
-
-
-def read_json(path, *, check):
-    """(the JSON in `path`, what is wrong with it): `check(data)`'s answer, None when nothing is."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except ValueError as error:  # UnicodeDecodeError included
-        return None, f"not JSON ({error})"
-    return data, check(data)
-
-
-def check_meta(meta):
-    """What is wrong with a best/meta.json, or None: every field predict.py and evaluation use."""
-    if not isinstance(meta, dict):
-        return "not a JSON object"
-    kwargs, classes = meta.get("model_kwargs"), meta.get("class_names")
-    if not isinstance(meta.get("architecture"), str):
-        return f"'architecture' is {meta.get('architecture')!r}"
-    if not (isinstance(kwargs, dict) and {"num_classes", "in_chans"} <= kwargs.keys()
-            and all(isinstance(kwargs[k], int) and kwargs[k] > 0 for k in ("num_classes", "in_chans"))):
-        return f"'model_kwargs' is {kwargs!r}, not num_classes and in_chans"
-    if not (isinstance(classes, list) and len(classes) == kwargs["num_classes"]):
-        return f"'class_names' is not a list of {kwargs['num_classes']} names"
-    size = meta.get("image_size")
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
-        return f"'image_size' is {size!r}, not [height, width]"
-    if "eval_transform" not in meta:  # written before the field existed: folder models carried resize_size
-        meta["eval_transform"] = ({"resize": meta["resize_size"], "center_crop": size} if "resize_size" in meta
-                                  else {"resize": size})
-    spec = meta["eval_transform"]
-    if not (isinstance(spec, dict) and isinstance(spec.get("resize"), (int, list))
-            and isinstance(spec.get("center_crop", []), list)):
-        return f"'eval_transform' is {spec!r}"
-    for name in ("mean", "std"):
-        values = meta.get(name)
-        if not (isinstance(values, list) and len(values) == kwargs["in_chans"]
-                and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)):
-            return f"{name!r} is {values!r}, not {kwargs['in_chans']} numbers"
-    if min(meta["std"]) <= 0:
-        return f"'std' is {meta['std']}: every value must be above 0"
-    return None
-
-
-def check_weights(model, weights_path, *, expected):
-    """Name both sides when a safetensors file does not fit the model, instead of PyTorch's list of keys."""
-    if not Path(weights_path).is_file():
-        raise UserError(f"{weights_path} is missing (deleted?): the folder is incomplete. Use another checkpoint or "
-                        "best/ folder, or train again")
-    try:
-        with safe_open(weights_path, framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except (SafetensorError, OSError) as error:
-        raise UserError(f"{weights_path} is corrupt or not a safetensors file ({error}); use another checkpoint or "
-                        "best/ folder, or train again") from None
-    own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    missing, unexpected = own.keys() - shapes.keys(), shapes.keys() - own.keys()
-    mismatched = [(k, shapes[k], shape) for k, shape in own.items() if k in shapes and shapes[k] != shape]
-    if missing or unexpected or mismatched:
-        detail = (f"{len(missing)} tensors missing, {len(unexpected)} unexpected" if missing or unexpected else
-                  "shapes differ, e.g. {} is {} in the file but {} in the model".format(*mismatched[0]))
-        raise UserError(f"the weights in {weights_path} do not fit {expected}: {detail}. They come from another "
-                        "architecture or class count; use the meta.json written beside them.")
+from .reporting import truncate_metrics
 
 
 def save_checkpoint(accelerator, output_dir, name, *, state, keep):

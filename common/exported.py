@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import check_meta, read_json
+from .models import read_description
 from .errors import UserError
 
 INPUT, OUTPUT = "images", "logits"
@@ -49,7 +49,7 @@ def load_exported(path):
     if not described.is_file():
         raise UserError(f"{described} is missing: scripts/export.py writes it beside {path.name}; copy it along "
                         "with the model, or export again")
-    meta, problem = read_json(described, check=check_meta)
+    meta, problem = read_description(described)
     if problem:
         raise UserError(f"{described} is not a description written by scripts/export.py ({problem}); export again")
     return OnnxModel(path), meta

@@ -270,11 +270,6 @@ def build_eval_transform(spec):
     return v2.Compose([v2.Resize(spec["resize"]), v2.ToImage(), v2.ToPureTensor()])
 
 
-def resize_size(image_size):
-    """The short side evaluation resizes to before its center crop of `image_size` (ImageNet's 256 for 224)."""
-    return round(image_size / 0.875)
-
-
 def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None,
                          record=None):
     """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images` (shared out

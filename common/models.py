@@ -1,13 +1,20 @@
-"""Model builders: ResNet-18 with a CIFAR stem, the seed's Keras-style MNIST convnet, or any timm model."""
+"""Model builders (ResNet-18 with a CIFAR stem, the seed's Keras-style MNIST convnet, or any timm model), and what a
+trained model is: its description (best/meta.json), best/ written and read back."""
 
+import json
+import math
 import pickle
 import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .errors import UserError
+from .outputs import write_atomically
+from .reporting import write_predictions
 
 
 def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None):
@@ -62,20 +69,138 @@ def build_ema(model, accelerator, *, decay):
     return accelerator.prepare_model(ema, evaluation_mode=True)
 
 
-def describe_model(architecture, *, class_names, image_size, mean, std, resize_size=None, dataset=None):
-    """What every checkpoint and best/meta.json says of a model: how to build it (`build_model` arguments),
-    its classes, and its evaluation preprocessing, so that predict.py and evaluation redo it exactly.
+# ---- what a trained model is: written into best/meta.json and every checkpoint, read by every tool ----
 
-    `eval_transform` is {"resize": [H, W]} (resize to the model's image size: the in-memory datasets, decoded
-    at that size) or, with `resize_size`, {"resize": S, "center_crop": [H, W]} (shorter side to S, then the
-    center: the folder datasets); common.folders.build_eval_transform builds it. One channel per mean value.
-    `dataset` (cifar10, mnist, fashion_mnist, digits or folder) is the layout scripts/evaluate.py reads by default.
+def describe_model(architecture, classes, *, image_size, normalize, dataset, arguments):
+    """What best/meta.json and every checkpoint say of a model: how to build it (`build_model` arguments), its
+    classes, its evaluation preprocessing (`normalize`: mean and std, one value per channel) so that predict.py
+    and evaluation redo it exactly, the dataset layout evaluate.py reads by default (cifar10, mnist,
+    fashion_mnist, digits or folder) and the run's `arguments` (args_to_dict).
+
+    `eval_transform` (built by common.folders.build_eval_transform): the folder datasets resize the shorter side
+    to `resize_size` and crop the center; the in-memory ones, decoded at the model's size, resize to it.
     """
-    image_size = list(image_size)
-    return {"architecture": architecture, "model_kwargs": {"num_classes": len(class_names), "in_chans": len(mean)},
-            "class_names": list(class_names), "image_size": image_size,
-            "eval_transform": {"resize": resize_size, "center_crop": image_size} if resize_size else {"resize": image_size},
-            "mean": list(mean), "std": list(std), "dataset": dataset}
+    (mean, std), image_size = normalize, list(image_size)
+    return {"architecture": architecture, "model_kwargs": {"num_classes": len(classes), "in_chans": len(mean)},
+            "class_names": list(classes), "image_size": image_size,
+            "eval_transform": ({"resize": resize_size(image_size[0]), "center_crop": image_size}
+                               if dataset == "folder" else {"resize": image_size}),
+            "mean": list(mean), "std": list(std), "dataset": dataset, "args": arguments}
+
+
+def resize_size(image_size):
+    """The short side evaluation resizes to before its center crop of `image_size` (ImageNet's 256 for 224)."""
+    return round(image_size / 0.875)
+
+
+def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
+    """Replace best/ as a whole: model.safetensors, meta.json (architecture, model_kwargs, classes,
+    preprocessing, epoch, metric, arguments) and val_predictions.csv (this evaluation, per image)."""
+    # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
+    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
+    if not accelerator.is_main_process:
+        return
+
+    def write(folder):
+        folder.mkdir()
+        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
+                  folder / "model.safetensors")
+        (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
+
+    write_atomically(Path(output_dir) / "best", write)
+
+
+def load_best_model(model_dir):
+    """(model in eval mode, meta) from a best/ folder, a run's output folder (its best/) or a checkpoint (its
+    trainer_state.json describes the model as meta.json does); every way it can be wrong is a UserError."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "meta.json").exists() and (model_dir / "best" / "meta.json").is_file():
+        model_dir = model_dir / "best"
+    meta_path, weights_path = model_dir / "meta.json", model_dir / "model.safetensors"
+    if not meta_path.is_file() and (model_dir / "trainer_state.json").is_file():
+        meta_path = model_dir / "trainer_state.json"
+    if not meta_path.is_file():
+        raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote (or the run's folder, "
+                        "or one of its checkpoints)")
+    meta, problem = read_description(meta_path)
+    if problem:
+        raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "
+                        "use the meta.json the run wrote beside model.safetensors")
+    model = build_model(meta["architecture"], **meta["model_kwargs"])
+    check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
+    model.load_state_dict(load_file(weights_path))
+    return model.eval(), meta
+
+
+def read_json(path, *, check):
+    """(the JSON in `path`, what is wrong with it): `check(data)`'s answer, None when nothing is."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as error:  # UnicodeDecodeError included
+        return None, f"not JSON ({error})"
+    return data, check(data)
+
+
+def read_description(path):
+    """(the model description in the JSON file `path`, what is wrong with it or None): a best/meta.json, a
+    checkpoint's trainer_state.json or export.py's description, those written before a field existed included."""
+    meta, problem = read_json(path, check=lambda data: None if isinstance(data, dict) else "not a JSON object")
+    if problem:
+        return meta, problem
+    if "eval_transform" not in meta and isinstance(meta.get("image_size"), list):  # older: folder runs had resize_size
+        size = meta["image_size"]
+        meta["eval_transform"] = ({"resize": meta["resize_size"], "center_crop": size} if "resize_size" in meta
+                                  else {"resize": size})
+    return meta, _check_description(meta)
+
+
+def _check_description(meta):
+    """What is wrong with a model description, or None: every field predict.py and evaluation use."""
+    kwargs, classes = meta.get("model_kwargs"), meta.get("class_names")
+    if not isinstance(meta.get("architecture"), str):
+        return f"'architecture' is {meta.get('architecture')!r}"
+    if not (isinstance(kwargs, dict) and {"num_classes", "in_chans"} <= kwargs.keys()
+            and all(isinstance(kwargs[k], int) and kwargs[k] > 0 for k in ("num_classes", "in_chans"))):
+        return f"'model_kwargs' is {kwargs!r}, not num_classes and in_chans"
+    if not (isinstance(classes, list) and len(classes) == kwargs["num_classes"]):
+        return f"'class_names' is not a list of {kwargs['num_classes']} names"
+    size = meta.get("image_size")
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+        return f"'image_size' is {size!r}, not [height, width]"
+    spec = meta["eval_transform"]
+    if not (isinstance(spec, dict) and isinstance(spec.get("resize"), (int, list))
+            and isinstance(spec.get("center_crop", []), list)):
+        return f"'eval_transform' is {spec!r}"
+    for name in ("mean", "std"):
+        values = meta.get(name)
+        if not (isinstance(values, list) and len(values) == kwargs["in_chans"]
+                and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)):
+            return f"{name!r} is {values!r}, not {kwargs['in_chans']} numbers"
+    if min(meta["std"]) <= 0:
+        return f"'std' is {meta['std']}: every value must be above 0"
+    return None
+
+
+def check_weights(model, weights_path, *, expected):
+    """Name both sides when a safetensors file does not fit the model, instead of PyTorch's list of keys."""
+    if not Path(weights_path).is_file():
+        raise UserError(f"{weights_path} is missing (deleted?): the folder is incomplete. Use another checkpoint or "
+                        "best/ folder, or train again")
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"{weights_path} is corrupt or not a safetensors file ({error}); use another checkpoint or "
+                        "best/ folder, or train again") from None
+    own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    missing, unexpected = own.keys() - shapes.keys(), shapes.keys() - own.keys()
+    mismatched = [(k, shapes[k], shape) for k, shape in own.items() if k in shapes and shapes[k] != shape]
+    if missing or unexpected or mismatched:
+        detail = (f"{len(missing)} tensors missing, {len(unexpected)} unexpected" if missing or unexpected else
+                  "shapes differ, e.g. {} is {} in the file but {} in the model".format(*mismatched[0]))
+        raise UserError(f"the weights in {weights_path} do not fit {expected}: {detail}. They come from another "
+                        "architecture or class count; use the meta.json written beside them.")
 
 
 def load_pretrained(model, name, source):

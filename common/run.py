@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .checkpoint import load_checkpoint, save_best_model, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
+from .models import save_best_model
 from .errors import Interrupted, UserError
 from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, write_reports
@@ -102,11 +103,10 @@ class TrainingRun:
     `keep_checkpoints` kept), metrics.jsonl, best/ and the final report. `model_info` (common.models.
     describe_model, plus the arguments) goes into every checkpoint and best/meta.json."""
 
-    def __init__(self, accelerator, output_dir, *, model_info, total_steps, checkpoint_every=None,
-                 keep_checkpoints=2, patience=None):
+    def __init__(self, accelerator, output_dir, *, model_info, total_steps, checkpoint_every=None, keep_checkpoints=2):
         self.accelerator, self.output_dir = accelerator, Path(output_dir)
         self.model_info, self.total_steps = model_info, total_steps
-        self.checkpoint_every, self.keep_checkpoints, self.patience = checkpoint_every, keep_checkpoints, patience
+        self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.epoch, self.batch, self.step, self.best_accuracy, self.best_epoch = 1, 0, 0, -1.0, 0
         self.num_epochs = None  # set by epochs()
         self.lr_scheduler = None
@@ -119,11 +119,6 @@ class TrainingRun:
     @property
     def finished(self):
         return self.step >= self.total_steps
-
-    @property
-    def out_of_patience(self):
-        """--patience N: N epochs have ended since the best validation accuracy (self.epoch is the next one)."""
-        return bool(self.patience) and self.epoch - 1 - self.best_epoch >= self.patience
 
     # ---- start ----
 
@@ -153,16 +148,16 @@ class TrainingRun:
 
     # ---- the epoch loop ----
 
-    def epochs(self, epochs):
+    def epochs(self, epochs, *, patience=None):
         """The epochs left to train, from where the run starts; ends early at `total_steps` (--max_steps), or
-        when `patience` epochs have passed without a better validation accuracy."""
+        when `patience` epochs have passed without a better validation accuracy (--patience)."""
         self.num_epochs = epochs
         while self.epoch <= epochs and not self.finished:
             yield self.epoch
             self.epoch, self.batch = self.epoch + 1, 0
-            if self.out_of_patience and self.epoch <= epochs and not self.finished:
+            if patience and self.epoch - 1 - self.best_epoch >= patience and self.epoch <= epochs and not self.finished:
                 self.accelerator.print(f"early stop after epoch {self.epoch - 1}: val accuracy has not improved for "
-                                       f"{self.patience} epoch(s) (--patience); best/ holds epoch {self.best_epoch} "
+                                       f"{patience} epoch(s) (--patience); best/ holds epoch {self.best_epoch} "
                                        f"({self.best_accuracy:.2%}), the reports below are of the last epoch")
                 return
 

@@ -176,8 +176,8 @@ def small_model_rates(pixels, *, accelerator, device, steps, repeats, autocast):
     lr_scheduler = build_lr_scheduler(ours_optimizer, schedule="onecycle", total_steps=10**9)
     output_dir = tempfile.mkdtemp(prefix="benchmark-run-")
     run = TrainingRun(accelerator, output_dir, total_steps=10**9,
-                      model_info=describe_model("mnist_convnet", class_names=dataset.classes, image_size=(28, 28),
-                                                mean=(0.0,), std=(1.0,)))
+                      model_info=describe_model("mnist_convnet", dataset.classes, image_size=(28, 28),
+                                                normalize=((0.0,), (1.0,)), dataset="mnist", arguments={}))
     run.start(None, model=ours_model, lr_scheduler=lr_scheduler)
     epochs = run.epochs(10**9)
 

@@ -89,7 +89,8 @@ def probe(args):
     """Run under accelerate launch: build the training set as train_seedlings.py does, report as JSON."""
     start, cpu = time.perf_counter(), time.process_time()
     from common.distributed import build_accelerator
-    from common.folders import build_folder_dataset, build_train_transform, resize_size
+    from common.folders import build_folder_dataset, build_train_transform
+    from common.models import resize_size
     from common.images import find_splits
 
     accelerator = build_accelerator()
@@ -133,8 +134,8 @@ def data_path_rates(folder, args):
     from torchvision import transforms
 
     from common.data import preprocess, random_resized_crop
-    from common.folders import (ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform,
-                                resize_size)
+    from common.folders import ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform
+    from common.models import resize_size
     from common.images import find_splits
 
     train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)

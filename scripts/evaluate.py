@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import load_best_model  # noqa: E402
 from common.data import (InMemoryDataset, build_cifar10, build_dataloader, build_digits, build_mnist,  # noqa: E402
                          preprocess)
 from common.distributed import build_accelerator  # noqa: E402
@@ -33,6 +32,7 @@ from common.evaluation import score  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import ImageFileDataset, build_eval_transform, build_file_dataloader, check_images  # noqa: E402
 from common.images import list_image_folder  # noqa: E402
+from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
 
 DATASETS = ("cifar10", "mnist", "fashion_mnist", "digits", "folder")

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.checkpoint import load_best_model  # noqa: E402
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
@@ -27,6 +26,7 @@ from common.exported import load_exported  # noqa: E402
 from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
 from common.folders import ImageFiles, build_eval_transform, build_file_dataloader  # noqa: E402
 from common.images import find_images  # noqa: E402
+from common.models import load_best_model  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 

@@ -84,8 +84,8 @@ def main(args):
     eval_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD)
 
     # model and optimisation
-    model_info = describe_model(args.model, class_names=train_set.classes, image_size=(32, 32), mean=CIFAR10_MEAN,
-                                std=CIFAR10_STD, dataset="cifar10") | {"args": args_to_dict(args)}  # into best/ and every checkpoint
+    model_info = describe_model(args.model, train_set.classes, image_size=(32, 32), normalize=(CIFAR10_MEAN, CIFAR10_STD),
+                                dataset="cifar10", arguments=args_to_dict(args))  # into best/ and every checkpoint
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
                         image_size=32)
     # the recipe's LR is 0.1 at a global batch of 128; without --lr it follows the global batch in proportion

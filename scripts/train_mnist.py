@@ -79,9 +79,9 @@ def main(args):
     transform = partial(preprocess, mean=(0.0,), std=(1.0,))  # the model's Keras "rescale"
 
     # model and optimisation
-    model_info = describe_model("mnist_convnet", class_names=train_set.classes, image_size=train_set.image_size,
-                                mean=(0.0,), std=(1.0,), dataset=args.dataset) | {
-                                    "args": args_to_dict(args)}  # into best/ and checkpoints
+    model_info = describe_model("mnist_convnet", train_set.classes, image_size=train_set.image_size,
+                                normalize=((0.0,), (1.0,)), dataset=args.dataset,
+                                arguments=args_to_dict(args))  # into best/ and every checkpoint
     model = build_model("mnist_convnet", **model_info["model_kwargs"], channels_last=args.channels_last)
     # the recipe's LR is 1e-2 at a global batch of 64; without --lr it follows the global batch's square root
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum

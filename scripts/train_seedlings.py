@@ -45,9 +45,9 @@ from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnega
                           nonnegative_int, number, positive_int, probability)
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
                             build_file_dataloader, build_folder_dataset, build_train_transform, choose_num_workers,
-                            read_mean_std, resize_size)
+                            read_mean_std)
 from common.images import find_splits  # noqa: E402
-from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
+from common.models import build_ema, build_model, describe_model, load_pretrained, resize_size  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -106,9 +106,9 @@ def main(args):
     mean, std = read_mean_std(args.mean_std)
     train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
                                                            seed=args.seed)
-    model_info = describe_model(args.model, class_names=classes, image_size=(args.image_size, args.image_size),
-                                mean=mean, std=std, resize_size=resize_size(args.image_size), dataset="folder") | {
-                                    "args": args_to_dict(args)}  # into best/ and every checkpoint
+    model_info = describe_model(args.model, classes, image_size=(args.image_size, args.image_size),
+                                normalize=(mean, std), dataset="folder",
+                                arguments=args_to_dict(args))  # into best/ and every checkpoint
     # each process checks its share of the images; the result is kept beside the data for the next run
     folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
                              cache_size=resize_size(args.image_size) if args.cache_images else None,
@@ -170,8 +170,7 @@ def main(args):
 
     # the run's bookkeeping: where it starts, totals, checkpoints, metrics.jsonl, best/
     run = TrainingRun(accelerator, output_dir, model_info=model_info, total_steps=total_steps,
-                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-                      patience=args.patience)
+                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
@@ -181,7 +180,7 @@ def main(args):
                       f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
-    for epoch in run.epochs(args.epochs):
+    for epoch in run.epochs(args.epochs, patience=args.patience):
         model.train()
         for batch in run.batches(train_dataloader):
             images, labels = train_transform(batch["image"]), batch["label"]

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.checkpoint import find_checkpoint, load_best_model
+from common.checkpoint import find_checkpoint
+from common.models import load_best_model
 from common.data import build_cifar10, build_mnist
 from common.errors import UserError
 from common.flags import ArgumentParser

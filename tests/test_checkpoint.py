@@ -148,8 +148,9 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
     model, optimizer, loader = accelerator.prepare(model, optimizer, build_dataloader(train_set, batch_size=16,
                                                                                        shuffle=True))
     lr_scheduler = build_lr_scheduler(optimizer, schedule="constant", total_steps=1000)
-    info = describe_model("mnist_convnet", class_names=train_set.classes, image_size=(8, 8), mean=(0.0,), std=(1.0,))
-    run = common.run.TrainingRun(accelerator, tmp_path, model_info=info | {"args": {}}, total_steps=1000)
+    info = describe_model("mnist_convnet", train_set.classes, image_size=(8, 8), normalize=((0.0,), (1.0,)),
+                          dataset="digits", arguments={})
+    run = common.run.TrainingRun(accelerator, tmp_path, model_info=info, total_steps=1000)
     run.start(None, model=model, lr_scheduler=lr_scheduler)
     step_s = common.run.LOOK_SECONDS / 5  # a look every 5 steps, not every CHECK_EVERY = 20
     try:
@@ -418,7 +419,7 @@ def test_compiled_channels_last_bf16_run_saves_plain_weights_and_resumes_compile
     """--compile goes through Accelerate's dynamo plugin: best/ and checkpoints hold the plain model's names,
     predict.py's loader reads them, and a resumed run may turn --compile on or off (a runtime flag).
     bf16 autocast (Accelerate's) runs on the CPU too."""
-    from common.checkpoint import load_best_model
+    from common.models import load_best_model
 
     output_dir = tmp_path / "run"
     flags = ["--dataset", "digits", "--epochs", 2, "--batch_size", 32, "--compile", "--channels_last",

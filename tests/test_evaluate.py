@@ -21,10 +21,10 @@ def rows(path):
     return list(csv.DictReader(open(path)))
 
 
-def write_model(folder, architecture, *, dataset, **description):
+def write_model(folder, architecture, classes, *, dataset, **description):
     """A best/ folder as a training run writes it, with the weights of a fresh (seeded) model."""
     torch.manual_seed(0)
-    meta = describe_model(architecture, dataset=dataset, **description)
+    meta = describe_model(architecture, classes, dataset=dataset, arguments={}, **description)
     model = build_model(architecture, **meta["model_kwargs"])
     folder.mkdir(parents=True)
     save_file(model.state_dict(), folder / "model.safetensors")
@@ -34,9 +34,8 @@ def write_model(folder, architecture, *, dataset, **description):
 
 def test_two_processes_count_every_image_once_as_one_process_does(tmp_path, cifar_jpegs):
     """101 test images, batches of 8: the last batch of each process is short, and Accelerate pads one."""
-    best = write_model(tmp_path / "run" / "best", "resnet18_cifar", dataset="cifar10",
-                       class_names=sorted(p.name for p in (cifar_jpegs / "train").iterdir()), image_size=(32, 32),
-                       mean=(0.49, 0.48, 0.45), std=(0.25, 0.24, 0.26))
+    best = write_model(tmp_path / "run" / "best", "resnet18_cifar", sorted(p.name for p in (cifar_jpegs / "train").iterdir()),
+                       dataset="cifar10", image_size=(32, 32), normalize=((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)))
     one = script("evaluate.py", "--model_dir", best, "--data_dir", cifar_jpegs, "--batch_size", 8,
                  "--output_dir", tmp_path / "one")
     assert one.returncode == 0, one.output
@@ -71,7 +70,7 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
     flipped = script("evaluate.py", "--model_dir", digits_run / "best", "--output_dir", tmp_path / "tta",
                      "--tta", "flip", "--mixed_precision", "no")  # fp32, as the expected numbers below
     assert flipped.returncode == 0, flipped.output
-    from common.checkpoint import load_best_model
+    from common.models import load_best_model
 
     model, _ = load_best_model(digits_run / "best")
     images = preprocess(build_digits()[1].images, mean=meta["mean"], std=meta["std"])
@@ -85,8 +84,8 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
 
 def test_a_folder_with_fewer_classes_is_matched_by_name_and_an_unknown_class_is_refused(tmp_path, seedlings):
     classes = sorted(p.name for p in seedlings.iterdir() if p.is_dir())  # not the image check records
-    best = write_model(tmp_path / "best", "resnet18", dataset="folder", class_names=classes, image_size=(48, 48),
-                       mean=SEEDLING_MEAN, std=SEEDLING_STD, resize_size=55)
+    best = write_model(tmp_path / "best", "resnet18", classes, dataset="folder", image_size=(48, 48),
+                       normalize=(SEEDLING_MEAN, SEEDLING_STD))
     subset = tmp_path / "test"
     for name in (classes[3], classes[7]):  # labels 0 and 1 of the subset, 3 and 7 of the model
         shutil.copytree(seedlings / name, subset / name)

@@ -134,8 +134,8 @@ def test_an_onnx_export_of_a_seedlings_resnet_agrees_with_pytorch_on_every_image
     from common.models import build_model, describe_model
 
     torch.manual_seed(0)
-    meta = describe_model("resnet18", class_names=sorted(p.name for p in seedlings.iterdir() if p.is_dir()), image_size=(48, 48),
-                          mean=(0.33, 0.29, 0.21), std=(0.14, 0.14, 0.16), resize_size=55, dataset="folder")
+    meta = describe_model("resnet18", sorted(p.name for p in seedlings.iterdir() if p.is_dir()), image_size=(48, 48),
+                          normalize=((0.33, 0.29, 0.21), (0.14, 0.14, 0.16)), dataset="folder", arguments={})
     model = build_model("resnet18", **meta["model_kwargs"])
     for module in model.modules():  # BatchNorm statistics of a trained model, not the fresh 0 and 1
         if isinstance(module, torch.nn.BatchNorm2d):
