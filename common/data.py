@@ -68,7 +68,7 @@ def hold_out(dataset, *, fraction, seed):
     return tuple(InMemoryDataset(dataset.images[part], dataset.labels[part], dataset.classes) for part in (train, val))
 
 
-def _batch_is_ready(batch):
+def _keep_as_is(batch):
     return batch
 
 
@@ -83,7 +83,7 @@ def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, sampler=N
     make the host wait for the device at every batch.
     """
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
-                                       sampler=sampler, drop_last=drop_last, collate_fn=_batch_is_ready,
+                                       sampler=sampler, drop_last=drop_last, collate_fn=_keep_as_is,
                                        generator=torch.Generator(), pin_memory=torch.cuda.is_available())
 
 

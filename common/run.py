@@ -112,7 +112,7 @@ class TrainingRun:
         self.lr_scheduler = None
         self.in_epoch = False  # between run.batches() and the end of its loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
-        self._totals = self._nonfinite = self._started = self._train = self._loss = None
+        self._totals = self._nonfinite = self._started = self._pace = self._loss = None
         self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
 
@@ -183,8 +183,8 @@ class TrainingRun:
             if self.finished:
                 break
         progress_bar.close()
-        self._train = {"time": time.perf_counter() - self._started, "images_per_s": self._images_per_s()}
-        self._look()
+        self._pace = {"time": time.perf_counter() - self._started, "images_per_s": self._images_per_s()}
+        self._compare_notes()
         self.in_epoch = False
 
     def record(self, loss, batch):
@@ -208,8 +208,8 @@ class TrainingRun:
         due = bool(self.checkpoint_every) and self.step % self.checkpoint_every == 0
         if self.step < self._next_look and not due:
             return False
-        self._last_loss = self._loss.item()  # the host waits for the device here, and in _look
-        return due or self._look()  # save_checkpoint looks too
+        self._last_loss = self._loss.item()  # the host waits for the device here, and in _compare_notes
+        return due or self._compare_notes()  # save_checkpoint compares notes too
 
     # ---- the end of an epoch ----
 
@@ -222,7 +222,7 @@ class TrainingRun:
         record = {"epoch": self.epoch, "step": self.step, "train_loss": totals["loss_sum"] / max(1, samples),
                   "train_samples": samples, "train_unique_samples": len(totals["indices"]),
                   "train_samples_per_process": totals["samples_per_process"],
-                  "images_per_s": self._train["images_per_s"], "train_time_s": self._train["time"],
+                  "images_per_s": self._pace["images_per_s"], "train_time_s": self._pace["time"],
                   "val_loss": evaluation["loss"], "val_accuracy": evaluation["accuracy"],
                   "val_macro_f1": evaluation["macro_f1"], "val_samples": evaluation["samples"],
                   "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
@@ -246,7 +246,7 @@ class TrainingRun:
     def save_checkpoint(self):
         """Checkpoint where the run stands (inside the epoch, or after it); after a SIGTERM, stop the run
         there with the command that continues it. Every process calls it."""
-        stop = self._look()  # nothing diverged is saved; every process decides to stop at the same point
+        stop = self._compare_notes()  # nothing diverged is saved; every process decides to stop at the same point
         if self.in_epoch:
             name, position = checkpoint_name(self.epoch, self.batch), (self.epoch, self.batch)
             state = {"epoch_totals": self._global_totals()}
@@ -283,7 +283,7 @@ class TrainingRun:
 
     # ---- inside ----
 
-    def _look(self):
+    def _compare_notes(self):
         """The one collective of the bookkeeping: stop every process with NonFiniteLoss if any saw a nan/inf
         loss; returns True on every process once any of them got SIGTERM, so that all stop at the same step."""
         device, now = self.accelerator.device, time.perf_counter()
