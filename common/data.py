@@ -87,8 +87,9 @@ def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, sampler=N
                                        generator=torch.Generator(), pin_memory=torch.cuda.is_available())
 
 
-def preprocess(images, *, mean, std, padding=0, flip=False, cutout=0, erasing=0.0):
-    """uint8 (N, C, H, W) on any device -> normalised float; per sample random: crop (zero padding) and flip,
+def preprocess(images, *, normalize, padding=0, flip=False, cutout=0, erasing=0.0):
+    """uint8 (N, C, H, W) on any device -> float normalised by `normalize` (mean, std: a value per channel); per
+    sample random: crop (zero padding) and flip,
     then a Cutout square of side `cutout` (DeVries & Taylor 2017: its center anywhere in the image, so part
     of it may fall outside) and, with probability `erasing`, a random erasing rectangle (Zhong et al. 2017, as
     torchvision's RandomErasing: 2-33% of the area, aspect ratio 0.3-3.3). Erased pixels are 0 after
@@ -107,8 +108,7 @@ def preprocess(images, *, mean, std, padding=0, flip=False, cutout=0, erasing=0.
         batch = torch.arange(n, device=device)[:, None, None]
         images = padded[batch, :, rows, (dx + cols)[:, None, :]].permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
     # (x / 255 - mean) / std as one multiply and one add
-    std = torch.tensor(std, device=device).view(1, -1, 1, 1)
-    mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+    mean, std = (torch.tensor(values, device=device).view(1, -1, 1, 1) for values in normalize)
     images = images.float().mul_(1 / (255 * std)).sub_(mean / std)
     if cutout:
         center_y, center_x = torch.randint(0, height, (n,), device=device), torch.randint(0, width, (n,), device=device)

@@ -20,8 +20,7 @@ warnings.filterwarnings("ignore", message="Grad strides do not match bucket view
 warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the builtin `torch._C._distributed_c10d")
 
 
-def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to="none", output_dir=None,
-                      dist_timeout=None, cpu=False):
+def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None, cpu=False):
     """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour.
 
     `accelerate launch --config_file accelerate_configs/cpu.yaml` starts its processes through torchrun
@@ -34,9 +33,11 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     `unwrap_model(model, keep_torch_compile=False)` still see the plain model, so checkpoints and best/
     load without it. Left False, the accelerate config's dynamo setting applies.
 
-    `dist_timeout` (seconds) bounds every collective: when a process hangs or its node is lost, the others
-    fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
+    `report_to`: (--report_to, the run folder): the trackers write into its logs/, one of the run's outputs that
+    --overwrite sets aside. `dist_timeout` (seconds) bounds every collective: when a process hangs or its node is
+    lost, the others fail after that long instead of waiting forever (torch's default is 10 to 30 minutes).
     """
+    tracker, output_dir = report_to or ("none", None)
     cpu = cpu or not torch.cuda.is_available()
     mixed_precision, why_fp32 = choose_mixed_precision(mixed_precision, cpu=cpu)
     join_after_restart(cpu=cpu, dist_timeout=dist_timeout)
@@ -46,8 +47,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         dynamo_backend="inductor" if compile else None,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else None,
         gradient_accumulation_steps=grad_accum,
-        log_with=None if report_to == "none" else report_to,
-        # tracker logs (--report_to) in output_dir/logs/, one of the run's outputs that --overwrite sets aside
+        log_with=None if tracker == "none" else tracker,
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=Path(output_dir) / "logs")
         if output_dir else None,
         # seedable sampler: the shuffle order depends only on (seed, epoch), the same on every rank and on resume

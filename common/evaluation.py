@@ -49,11 +49,10 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta=False):
     }
 
 
-def score(model, dataloader, accelerator, *, transform, output_dir, class_names, files=None, tta=False, name="test"):
-    """Evaluate and write the main process's classification_report.txt/.json, confusion_matrix.png and
-    predictions.csv into `output_dir`; print one line. The scoring of scripts/evaluate.py and of a training
-    run's test set after --val_fraction chose its best/."""
-    evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=tta)
+def report_evaluation(accelerator, evaluation, *, output_dir, class_names, files=None, name="test"):
+    """Write an `evaluate` result's classification_report.txt/.json, confusion_matrix.png and predictions.csv into
+    `output_dir` (main process) and print one line: scripts/evaluate.py's reports, and a training run's test set
+    scored once after --val_fraction chose its best/."""
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
@@ -61,9 +60,8 @@ def score(model, dataloader, accelerator, *, transform, output_dir, class_names,
         write_predictions(Path(output_dir) / "predictions.csv", evaluation, class_names=class_names, files=files)
         print(f"classification report, {name} ({evaluation['samples']} images):\n{report}")
     accelerator.print(f"{name}: {evaluation['samples']} images, accuracy {100 * evaluation['accuracy']:.2f}%, "
-                      f"macro-F1 {evaluation['macro_f1']:.4f}{', flip TTA' if tta else ''}; reports in {output_dir}")
+                      f"macro-F1 {evaluation['macro_f1']:.4f}; reports in {output_dir}")
     accelerator.wait_for_everyone()
-    return evaluation
 
 
 def _as_on_the_main_process(model, accelerator):

@@ -270,30 +270,29 @@ def build_eval_transform(spec):
     return v2.Compose([v2.Resize(spec["resize"]), v2.ToImage(), v2.ToPureTensor()])
 
 
-def build_folder_dataset(split, *, classes, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None,
-                         record=None):
+def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None):
     """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images` (shared out
-    among the `accelerator`'s processes, kept in `record`); the unreadable ones, left out with
+    among the `accelerator`'s processes, kept in ROOT/.checked-NAME.json); the unreadable ones, left out with
     `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset.
 
     With a cache and no `transform` (nothing to do per sample) an InMemoryDataset over the mapped cache
     instead: each batch is one gather of its rows, in the training process, with no workers and no Python per
     image, so that the CPU only copies bytes while the device augments."""
     good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size,
-                                    accelerator=accelerator, record=record)
-    labels = [split["labels"][i] for i in good]
+                                    accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
+    labels, classes = [split["labels"][i] for i in good], split["classes"]
     if cache is not None and transform is None:
         dataset = InMemoryDataset(cache, torch.tensor(labels), classes, rows=good)
     else:
         dataset = ImageFileDataset([split["files"][i] for i in good], labels, classes, transform=transform,
-                                   cache=cache, cache_rows=good, seed=seed)
+                                   cache=None if cache is None else (cache, good), seed=seed)
     dataset.left_out = [path for path, _ in bad]
     return dataset
 
 
 class ImageFileDataset(torch.utils.data.Dataset):
-    """Images from files, or from a uint8 cache (its `cache_rows`), transformed per sample; items are dicts like
-    InMemoryDataset's.
+    """Images from files, or from a uint8 cache (`cache`: the images and each file's row), transformed per sample;
+    items are dicts like InMemoryDataset's.
 
     With `seed`, each sample's random augmentation is drawn from a generator seeded by (seed, epoch, index):
     a function of the sample alone, not of which DataLoader worker made it or when, so a run resumed in the
@@ -301,10 +300,10 @@ class ImageFileDataset(torch.utils.data.Dataset):
     through shared memory, which the workers see.
     """
 
-    def __init__(self, files, labels, classes, *, transform, cache=None, cache_rows=None, seed=None):
+    def __init__(self, files, labels, classes, *, transform, cache=None, seed=None):
         self.files, self.labels, self.classes = list(files), torch.tensor(labels), list(classes)
-        self.transform, self.cache, self.seed = transform, cache, seed
-        self.cache_rows = cache_rows if cache_rows is not None else range(len(self.files))  # cache row of each
+        self.transform, self.seed = transform, seed
+        self.cache, self.cache_rows = cache if cache is not None else (None, None)
         self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
 
     def set_epoch(self, epoch):

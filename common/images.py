@@ -116,19 +116,20 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
 
 
 def find_splits(data_dir, *, val_fraction, seed):
-    """({"files", "labels"} for train and val, classes, skipped) from `root/train` + `root/val`, or split from `root`."""
+    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`: each split a dict of its
+    "files", "labels", "classes", "name" (train, val) and "root" (`data_dir`)."""
     root = Path(data_dir)
-    train, val, test = (_is_split(root / name) for name in ("train", "val", "test"))
-    if train and not val and test:
+    has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
+    if has_train and not has_val and has_test:
         raise UserError(f"{root} has train/ and test/: the folder that chooses the best model must be called val/ "
                         f"(rename {root / 'test'} to {root / 'val'}), or pass --data_dir {root / 'train'} to split "
                         "the training images here")
-    if train != val:
-        have, lack = ("train", "val") if train else ("val", "train")
+    if has_train != has_val:
+        have, lack = ("train", "val") if has_train else ("val", "train")
         raise UserError(f"{root} has {have}/ but no {lack}/: add {root / lack}/<class>/<image>, "
                         + (f"or pass --data_dir {root / 'train'} to split the training images here (--val_fraction)"
-                           if train else f"or put the training images in {root / 'train'}/<class>/"))
-    if train and val:
+                           if has_train else f"or put the training images in {root / 'train'}/<class>/"))
+    if has_train:
         train_files, train_labels, classes, skipped = list_image_folder(root / "train")
         val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
         if val_classes != classes:
@@ -136,13 +137,16 @@ def find_splits(data_dir, *, val_fraction, seed):
             raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
                             f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
         check_classes(classes, root / "train")
-        return ({"files": train_files, "labels": train_labels}, {"files": val_files, "labels": val_labels},
-                classes, skipped + val_skipped)
-    files, labels, classes, skipped = list_image_folder(root)
-    check_classes(classes, root)
-    train, val = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
-    return ({"files": [files[i] for i in train], "labels": [labels[i] for i in train]},
-            {"files": [files[i] for i in val], "labels": [labels[i] for i in val]}, classes, skipped)
+        splits, skipped = {"train": (train_files, train_labels), "val": (val_files, val_labels)}, skipped + val_skipped
+    else:
+        files, labels, classes, skipped = list_image_folder(root)
+        check_classes(classes, root)
+        parts = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
+        splits = {name: ([files[i] for i in part], [labels[i] for i in part]) for name, part in zip(("train", "val"),
+                                                                                                   parts)}
+    train, val = ({"files": files, "labels": labels, "classes": classes, "name": name, "root": root}
+                  for name, (files, labels) in splits.items())
+    return train, val, classes, skipped
 
 
 def _is_split(folder):

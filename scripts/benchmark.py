@@ -102,7 +102,7 @@ def timed(function, *, device, repeats):
 def data_path_ours(dataloader, device):
     count = 0
     for batch in dataloader:
-        images = preprocess(batch["image"].to(device, non_blocking=True), mean=CIFAR10_MEAN, std=CIFAR10_STD,
+        images = preprocess(batch["image"].to(device, non_blocking=True), normalize=(CIFAR10_MEAN, CIFAR10_STD),
                             padding=4, flip=True)
         count += len(images)
     return count
@@ -149,7 +149,7 @@ def small_model_rates(pixels, *, accelerator, device, steps, repeats, autocast):
     gray = pixels[:, :1, 2:30, 2:30].contiguous()  # 28x28, one channel: the MNIST shape
     index = torch.arange(steps * 64) % len(gray)
     dataset = InMemoryDataset(gray[index], torch.arange(len(index)) % 10, [str(i) for i in range(10)])
-    rescale = partial(preprocess, mean=(0.0,), std=(1.0,))
+    rescale = partial(preprocess, normalize=((0.0,), (1.0,)))
 
     def build():
         torch.manual_seed(0)
@@ -237,7 +237,7 @@ def main(args):
 
     # training step: the same model, optimizer, batch and settings, plain PyTorch and through Accelerate
     batch = next(iter(ours_loader))
-    images = preprocess(batch["image"].to(device), mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True)
+    images = preprocess(batch["image"].to(device), normalize=(CIFAR10_MEAN, CIFAR10_STD), padding=4, flip=True)
     batches = [(images, batch["label"].to(device))] * args.train_steps
 
     def build(channels_last):
@@ -280,7 +280,7 @@ def main(args):
             return ((images.to(device), labels.to(device)) for images, labels in seed_loader)
 
         def ours_batches():
-            return ((preprocess(b["image"], mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True), b["label"])
+            return ((preprocess(b["image"], normalize=(CIFAR10_MEAN, CIFAR10_STD), padding=4, flip=True), b["label"])
                     for b in ours_loader)
 
         for key, one_pass, batches_of in (("train_seed_script", seed_pass, seed_batches),

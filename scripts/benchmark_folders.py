@@ -95,11 +95,10 @@ def probe(args):
 
     accelerator = build_accelerator()
     train_split, _, classes, _ = find_splits(args.probe, val_fraction=0.3, seed=42)
-    dataset = build_folder_dataset(train_split, classes=classes, skip_bad_images=False,
+    dataset = build_folder_dataset(train_split, skip_bad_images=False,
                                    cache_size=resize_size(args.image_size) if args.probe_cache else None,
                                    accelerator=accelerator,
-                                   transform=build_train_transform(args.image_size, geometry=False),
-                                   record=Path(args.probe) / ".checked-train.json")
+                                   transform=build_train_transform(args.image_size, geometry=False))
     startup, cpu = time.perf_counter() - start, time.process_time() - cpu
     checksum = int(dataset.images[dataset.rows].sum()) if args.probe_cache else 0  # every cached page read in
     rss, pss = memory_mb()
@@ -153,8 +152,8 @@ def data_path_rates(folder, args):
 
     files_set = ImageFileDataset(files, labels, classes, transform=build_train_transform(args.image_size))
     # as train_seedlings.py --cache_images builds it: the probes' check record read, their decoded cache mapped
-    cache_set = build_folder_dataset(train_split, classes=classes, transform=None, skip_bad_images=False,
-                                     cache_size=resize_size(args.image_size), record=folder / ".checked-train.json")
+    cache_set = build_folder_dataset(train_split, transform=None, skip_bad_images=False,
+                                     cache_size=resize_size(args.image_size))
     seed_transform = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(0.35, 1.0)),
                                          transforms.RandomHorizontalFlip(), transforms.RandomVerticalFlip(),
                                          transforms.RandomRotation(30), transforms.ToTensor(),
@@ -170,10 +169,10 @@ def data_path_rates(folder, args):
 
     return {
         "files_pil_worker": rate(build_file_dataloader(files_set, batch_size=64, shuffle=True, num_workers=1),
-                                 lambda b: preprocess(b["image"], mean=mean, std=std), cores=2),
+                                 lambda b: preprocess(b["image"], normalize=(mean, std)), cores=2),
         "cache_device": rate(build_file_dataloader(cache_set, batch_size=64, shuffle=True),
                              lambda b: preprocess(random_resized_crop(b["image"], size=args.image_size),
-                                                  mean=mean, std=std), cores=1),
+                                                  normalize=(mean, std)), cores=1),
         # what the CPU does when the device is an accelerator: each batch gathered from the cache, nothing more
         "cache_cpu_share": rate(build_file_dataloader(cache_set, batch_size=64, shuffle=True),
                                 lambda b: b["image"], cores=1),

@@ -28,7 +28,7 @@ from common.data import (InMemoryDataset, build_cifar10, build_dataloader, build
                          preprocess)
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.evaluation import score  # noqa: E402
+from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import ImageFileDataset, build_eval_transform, build_file_dataloader, check_images  # noqa: E402
 from common.images import list_image_folder  # noqa: E402
@@ -131,10 +131,10 @@ def main(args):
         dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
                                            num_workers=args.num_workers)
     model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
-    evaluation = score(model, dataloader, accelerator, transform=partial(preprocess, mean=meta["mean"],
-                                                                          std=meta["std"]),
-                       output_dir=output_dir, class_names=meta["class_names"], files=files, tta=args.tta == "flip",
-                       name=f"{args.data_dir or kind} ({kind}, {args.split})")
+    evaluation = evaluate(model, dataloader, accelerator, transform=partial(preprocess, normalize=(meta["mean"], meta["std"])),
+                          tta=args.tta == "flip")
+    report_evaluation(accelerator, evaluation, output_dir=output_dir, class_names=meta["class_names"], files=files,
+                      name=f"{args.data_dir or kind} ({kind}, {args.split}{', flip TTA' if args.tta == 'flip' else ''})")
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return evaluation

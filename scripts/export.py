@@ -73,7 +73,7 @@ def compare(model, exported, images, meta):
     dataloader = build_file_dataloader(images, batch_size=64, shuffle=False, num_workers=0)
     worst, disagree, count = 0.0, 0, 0
     for batch in dataloader:
-        inputs = preprocess(batch["image"][batch["ok"]], mean=meta["mean"], std=meta["std"])
+        inputs = preprocess(batch["image"][batch["ok"]], normalize=(meta["mean"], meta["std"]))
         if not len(inputs):
             continue
         theirs, ours = model(inputs).float(), exported(inputs)

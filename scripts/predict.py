@@ -77,7 +77,7 @@ def main(args):
     top_k = min(args.top_k, len(classes))
     found = []  # (index, ok, top-k probabilities, top-k classes) of every image, in input order
     for batch in dataloader:
-        probabilities = model(preprocess(batch["image"], mean=meta["mean"], std=meta["std"])).float().softmax(1)
+        probabilities = model(preprocess(batch["image"], normalize=(meta["mean"], meta["std"]))).float().softmax(1)
         top = probabilities.topk(top_k, dim=1)
         # gather per batch: gather_for_metrics drops the last batch's padding while it iterates that batch
         found.append([t.cpu() for t in accelerator.gather_for_metrics((batch["index"], batch["ok"], *top))])

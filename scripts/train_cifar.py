@@ -32,7 +32,7 @@ from common.checkpoint import resolve_args  # noqa: E402
 from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
-from common.evaluation import evaluate, score  # noqa: E402
+from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability  # noqa: E402
 from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
@@ -64,9 +64,8 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
-                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
-                                    dist_timeout=args.dist_timeout)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile, grad_accum=args.grad_accum,
+                                    report_to=(args.report_to, args.output_dir), dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
@@ -79,9 +78,9 @@ def main(args):
     train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
     test_dataloader = build_dataloader(test_set, batch_size=args.batch_size, shuffle=False) if args.val_fraction else None
-    train_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4, flip=True,
+    train_transform = partial(preprocess, normalize=(CIFAR10_MEAN, CIFAR10_STD), padding=4, flip=True,
                               cutout=args.cutout, erasing=args.random_erasing)
-    eval_transform = partial(preprocess, mean=CIFAR10_MEAN, std=CIFAR10_STD)
+    eval_transform = partial(preprocess, normalize=(CIFAR10_MEAN, CIFAR10_STD))
 
     # model and optimisation
     model_info = describe_model(args.model, train_set.classes, image_size=(32, 32), normalize=(CIFAR10_MEAN, CIFAR10_STD),
@@ -139,8 +138,8 @@ def main(args):
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
     if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
-        score(run.load_best(model), test_dataloader, accelerator, transform=eval_transform,
-              output_dir=output_dir / "test", class_names=train_set.classes)
+        test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=eval_transform)
+        report_evaluation(accelerator, test, output_dir=output_dir / "test", class_names=train_set.classes)
     run.finish(evaluation)
 
 

@@ -34,7 +34,7 @@ from common.checkpoint import resolve_args  # noqa: E402
 from common.data import build_dataloader, build_digits, build_mnist, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
-from common.evaluation import evaluate, score  # noqa: E402
+from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number  # noqa: E402
 from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
@@ -58,9 +58,8 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
-                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
-                                    dist_timeout=args.dist_timeout)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile, grad_accum=args.grad_accum,
+                                    report_to=(args.report_to, args.output_dir), dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[] if args.dataset == "digits" else [args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
@@ -76,7 +75,7 @@ def main(args):
     train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
     test_dataloader = build_dataloader(test_set, batch_size=args.batch_size, shuffle=False) if args.val_fraction else None
-    transform = partial(preprocess, mean=(0.0,), std=(1.0,))  # the model's Keras "rescale"
+    transform = partial(preprocess, normalize=((0.0,), (1.0,)))  # the model's Keras "rescale"
 
     # model and optimisation
     model_info = describe_model("mnist_convnet", train_set.classes, image_size=train_set.image_size,
@@ -133,8 +132,8 @@ def main(args):
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
     if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
-        score(run.load_best(model), test_dataloader, accelerator, transform=transform,
-              output_dir=output_dir / "test", class_names=train_set.classes)
+        test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=transform)
+        report_evaluation(accelerator, test, output_dir=output_dir / "test", class_names=train_set.classes)
     run.finish(evaluation)
 
 

@@ -95,9 +95,8 @@ def main(args):
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
                         f"{args.batch_size}; or turn them off with --mixup_alpha 0 --cutmix_alpha 0")
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
-                                    grad_accum=args.grad_accum, report_to=args.report_to, output_dir=args.output_dir,
-                                    dist_timeout=args.dist_timeout)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile, grad_accum=args.grad_accum,
+                                    report_to=(args.report_to, args.output_dir), dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
@@ -110,16 +109,14 @@ def main(args):
                                 normalize=(mean, std), dataset="folder",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
     # each process checks its share of the images; the result is kept beside the data for the next run
-    folder_dataset = partial(build_folder_dataset, classes=classes, skip_bad_images=args.skip_bad_images,
+    folder_dataset = partial(build_folder_dataset, skip_bad_images=args.skip_bad_images,
                              cache_size=resize_size(args.image_size) if args.cache_images else None,
                              accelerator=accelerator)
     # with --cache_images crop, flips and rotation happen on the device: without --auto_augment, the CPU only
     # gathers each batch's rows of the cache, with no workers
     train_set = folder_dataset(train_split, transform=build_train_transform(
-        args.image_size, args.auto_augment, geometry=not args.cache_images), seed=args.seed,
-        record=Path(args.data_dir) / ".checked-train.json")
-    eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]),
-                              record=Path(args.data_dir) / ".checked-val.json")
+        args.image_size, args.auto_augment, geometry=not args.cache_images), seed=args.seed)
+    eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]))
     for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
                            ("unreadable val images", eval_set.left_out)):
         if left_out:
@@ -131,12 +128,12 @@ def main(args):
                                              num_workers=num_workers, sampler=sampler)
     eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, shuffle=False,
                                             num_workers=num_workers)
-    normalise = partial(preprocess, mean=mean, std=std, erasing=args.random_erasing)  # on the device
+    normalise = partial(preprocess, normalize=(mean, std), erasing=args.random_erasing)  # on the device
 
     def train_transform(images):
         return normalise(random_resized_crop(images, size=args.image_size) if args.cache_images else images)
 
-    eval_transform = partial(preprocess, mean=mean, std=std)
+    eval_transform = partial(preprocess, normalize=(mean, std))
 
     # model and optimisation
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,

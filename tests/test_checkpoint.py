@@ -141,7 +141,7 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
     from common.models import build_model, describe_model
     from common.optim import build_lr_scheduler
 
-    accelerator = build_accelerator(output_dir=tmp_path)
+    accelerator = build_accelerator(report_to=("none", tmp_path))
     train_set, _ = build_digits()
     model = build_model("mnist_convnet", num_classes=10, in_chans=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -157,7 +157,7 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
         with pytest.raises(Interrupted):
             for _ in run.epochs(10):
                 for batch in run.batches(loader):
-                    loss = torch.nn.functional.cross_entropy(model(preprocess(batch["image"], mean=(0.0,), std=(1.0,))),
+                    loss = torch.nn.functional.cross_entropy(model(preprocess(batch["image"], normalize=((0.0,), (1.0,)))),
                                                              batch["label"])
                     accelerator.backward(loss)
                     optimizer.step()

@@ -73,7 +73,7 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
     from common.models import load_best_model
 
     model, _ = load_best_model(digits_run / "best")
-    images = preprocess(build_digits()[1].images, mean=meta["mean"], std=meta["std"])
+    images = preprocess(build_digits()[1].images, normalize=(meta["mean"], meta["std"]))
     with torch.no_grad():
         probabilities = (model(images).softmax(1) + model(images.flip(3)).softmax(1)) / 2
     tta = rows(tmp_path / "tta" / "predictions.csv")

@@ -127,11 +127,11 @@ def test_the_cache_without_per_image_work_is_read_in_whole_batches_of_the_good_r
     for label in ("Maize", "Cleavers"):
         shutil.copytree(seedlings / label, data / label)
     shutil.copy(FIXTURES / "odd_images" / "truncated.png", data / "Maize" / "0_truncated.png")
-    split = {"files": [*sorted((data / "Maize").iterdir()), *sorted((data / "Cleavers").iterdir())]}
+    split = {"files": [*sorted((data / "Maize").iterdir()), *sorted((data / "Cleavers").iterdir())],
+             "classes": ["Maize", "Cleavers"], "name": "train", "root": data}
     split["labels"] = [0 if path.parent.name == "Maize" else 1 for path in split["files"]]
     assert build_train_transform(32, geometry=False) is None  # nothing left to do per image
-    dataset = build_folder_dataset(split, classes=["Maize", "Cleavers"], transform=None, skip_bad_images=True,
-                                   cache_size=37, record=data / ".checked-train.json")
+    dataset = build_folder_dataset(split, transform=None, skip_bad_images=True, cache_size=37)
     assert [path.name for path in dataset.left_out] == ["0_truncated.png"] and len(dataset) == len(split["files"]) - 1
     loader = build_file_dataloader(dataset, batch_size=4, shuffle=True, num_workers=2)
     assert loader.num_workers == 0 and loader.collate_fn(["kept as it is"]) == ["kept as it is"]
