@@ -53,6 +53,11 @@ class InMemoryDataset(torch.utils.data.Dataset):
     def __getitem__(self, index):
         return self.__getitems__([index])
 
+    def relabelled(self, classes):
+        """This dataset with its labels numbered as `classes` (which hold all of its own), the same images."""
+        to_new = torch.tensor([list(classes).index(name) for name in self.classes])
+        return InMemoryDataset(self.images, to_new[self.labels], classes, rows=self.rows)
+
     def __getitems__(self, indices):
         # one gather for the whole batch; the DataLoader calls this instead of __getitem__ per sample.
         # index_select copies whole rows: 6x the speed of images[index], which indexes element by element
@@ -460,3 +465,13 @@ def build_digits(*, test_fraction=0.25, seed=42):
         images, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
     return (InMemoryDataset(torch.from_numpy(train_x), torch.from_numpy(train_y), MNIST_CLASSES),
             InMemoryDataset(torch.from_numpy(test_x), torch.from_numpy(test_y), MNIST_CLASSES))
+
+
+# every in-memory dataset by the name describe_model records, as (data_dir, seed) -> (train, test): what
+# scripts/evaluate.py reads (digits are split by the training run's seed)
+IN_MEMORY_DATASETS = {
+    "cifar10": lambda data_dir, seed: build_cifar10(data_dir),
+    "mnist": lambda data_dir, seed: build_mnist(data_dir, name="mnist"),
+    "fashion_mnist": lambda data_dir, seed: build_mnist(data_dir, name="fashion_mnist"),
+    "digits": lambda data_dir, seed: build_digits(seed=seed),
+}

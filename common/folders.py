@@ -309,6 +309,12 @@ class ImageFileDataset(torch.utils.data.Dataset):
     def set_epoch(self, epoch):
         self.epoch.fill_(epoch)
 
+    def relabelled(self, classes):
+        """This dataset with its labels numbered as `classes` (which hold all of its own), the same images."""
+        to_new = [list(classes).index(name) for name in self.classes]
+        return ImageFileDataset(self.files, [to_new[label] for label in self.labels.tolist()], classes,
+                                transform=self.transform, cache=(self.cache, self.cache_rows), seed=self.seed)
+
     def __len__(self):
         return len(self.files)
 

@@ -21,11 +21,9 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.data import (InMemoryDataset, build_cifar10, build_dataloader, build_digits, build_mnist,  # noqa: E402
-                         preprocess)
+from common.data import IN_MEMORY_DATASETS, InMemoryDataset, build_dataloader, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
@@ -35,7 +33,7 @@ from common.images import list_image_folder  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
 
-DATASETS = ("cifar10", "mnist", "fashion_mnist", "digits", "folder")
+DATASETS = (*IN_MEMORY_DATASETS, "folder")
 OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion_matrix.png", "predictions.csv")
 
 
@@ -73,12 +71,7 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images):
         return ImageFileDataset(files, labels, classes, transform=build_eval_transform(meta["eval_transform"])), files
     if split not in ("train", "test"):
         raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
-    if kind == "cifar10":
-        train, test = build_cifar10(data_dir)
-    elif kind == "digits":  # split by the training run's seed
-        train, test = build_digits(seed=meta.get("args", {}).get("seed", 42))
-    else:
-        train, test = build_mnist(data_dir, name=kind)
+    train, test = IN_MEMORY_DATASETS[kind](data_dir, seed=meta.get("args", {}).get("seed", 42))
     return (train if split == "train" else test), None
 
 
@@ -89,10 +82,7 @@ def in_model_classes(dataset, class_names, where):
     if unknown:
         raise UserError(f"{where} has classes the model does not know: {', '.join(unknown)}. The model's classes "
                         f"are {', '.join(class_names)}; leave the others out, or evaluate a model trained on them.")
-    to_model = torch.tensor([class_names.index(name) for name in dataset.classes])
-    if isinstance(dataset, InMemoryDataset):
-        return InMemoryDataset(dataset.images, to_model[dataset.labels], class_names)
-    return ImageFileDataset(dataset.files, to_model[dataset.labels].tolist(), class_names, transform=dataset.transform)
+    return dataset.relabelled(class_names)
 
 
 def check_output_dir(args):
