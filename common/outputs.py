@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast_object_list
+from filelock import SoftFileLease, Timeout
 
 from .errors import UserError
 
@@ -88,8 +89,6 @@ def lock_output_dir(output_dir):
     not exclude across NFS clients, the marker works on any shared filesystem with exclusive create; a holder
     paused longer than the lease (SIGSTOP, a frozen node) can lose it.
     """
-    from filelock import SoftFileLease, Timeout
-
     folder = Path(output_dir).resolve()
     if folder in _locks:
         return None
