@@ -20,7 +20,8 @@ warnings.filterwarnings("ignore", message="Grad strides do not match bucket view
 warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the builtin `torch._C._distributed_c10d")
 
 
-def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None, cpu=False):
+def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None,
+                      cpu=False):
     """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour.
 
     `accelerate launch --config_file accelerate_configs/cpu.yaml` starts its processes through torchrun

@@ -159,7 +159,8 @@ def add_common_args(parser):
     parser.add_argument("--max_steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (smoke runs)")
     parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")
-    parser.add_runtime_argument("--dist_timeout", type=number(float, min=0, max=7 * 24 * 3600, min_open=True), default=600,
+    parser.add_runtime_argument("--dist_timeout", type=number(float, min=0, max=7 * 24 * 3600, min_open=True),
+                                default=600,
                         metavar="SECONDS",
                         help="a collective that waits longer (a hung or lost process) ends the job (default: %(default)s)")
     parser.add_runtime_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",

@@ -121,10 +121,11 @@ def main(args):
         dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
                                            num_workers=args.num_workers)
     model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
-    evaluation = evaluate(model, dataloader, accelerator, transform=partial(preprocess, normalize=(meta["mean"], meta["std"])),
-                          tta=args.tta == "flip")
+    transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
+    evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta == "flip")
+    tta = ", flip TTA" if args.tta == "flip" else ""
     report_evaluation(accelerator, evaluation, output_dir=output_dir, class_names=meta["class_names"], files=files,
-                      name=f"{args.data_dir or kind} ({kind}, {args.split}{', flip TTA' if args.tta == 'flip' else ''})")
+                      name=f"{args.data_dir or kind} ({kind}, {args.split}{tta})")
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return evaluation

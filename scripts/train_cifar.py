@@ -64,8 +64,9 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile, grad_accum=args.grad_accum,
-                                    report_to=(args.report_to, args.output_dir), dist_timeout=args.dist_timeout)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
+                                    grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
+                                    dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
@@ -83,8 +84,9 @@ def main(args):
     eval_transform = partial(preprocess, normalize=(CIFAR10_MEAN, CIFAR10_STD))
 
     # model and optimisation
-    model_info = describe_model(args.model, train_set.classes, image_size=(32, 32), normalize=(CIFAR10_MEAN, CIFAR10_STD),
-                                dataset="cifar10", arguments=args_to_dict(args))  # into best/ and every checkpoint
+    model_info = describe_model(args.model, train_set.classes, image_size=(32, 32),
+                                normalize=(CIFAR10_MEAN, CIFAR10_STD), dataset="cifar10",
+                                arguments=args_to_dict(args))  # into best/ and every checkpoint
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
                         image_size=32)
     # the recipe's LR is 0.1 at a global batch of 128; without --lr it follows the global batch in proportion

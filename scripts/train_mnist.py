@@ -58,8 +58,9 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile, grad_accum=args.grad_accum,
-                                    report_to=(args.report_to, args.output_dir), dist_timeout=args.dist_timeout)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
+                                    grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
+                                    dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[] if args.dataset == "digits" else [args.data_dir], accelerator=accelerator)
     set_seed(args.seed)

@@ -95,8 +95,9 @@ def main(args):
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
                         f"{args.batch_size}; or turn them off with --mixup_alpha 0 --cutmix_alpha 0")
-    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile, grad_accum=args.grad_accum,
-                                    report_to=(args.report_to, args.output_dir), dist_timeout=args.dist_timeout)
+    accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
+                                    grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
+                                    dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)

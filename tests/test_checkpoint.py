@@ -157,8 +157,8 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
         with pytest.raises(Interrupted):
             for _ in run.epochs(10):
                 for batch in run.batches(loader):
-                    loss = torch.nn.functional.cross_entropy(model(preprocess(batch["image"], normalize=((0.0,), (1.0,)))),
-                                                             batch["label"])
+                    images = preprocess(batch["image"], normalize=((0.0,), (1.0,)))
+                    loss = torch.nn.functional.cross_entropy(model(images), batch["label"])
                     accelerator.backward(loss)
                     optimizer.step()
                     optimizer.zero_grad()

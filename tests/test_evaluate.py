@@ -34,8 +34,9 @@ def write_model(folder, architecture, classes, *, dataset, **description):
 
 def test_two_processes_count_every_image_once_as_one_process_does(tmp_path, cifar_jpegs):
     """101 test images, batches of 8: the last batch of each process is short, and Accelerate pads one."""
-    best = write_model(tmp_path / "run" / "best", "resnet18_cifar", sorted(p.name for p in (cifar_jpegs / "train").iterdir()),
-                       dataset="cifar10", image_size=(32, 32), normalize=((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)))
+    classes = sorted(p.name for p in (cifar_jpegs / "train").iterdir())
+    best = write_model(tmp_path / "run" / "best", "resnet18_cifar", classes, dataset="cifar10", image_size=(32, 32),
+                       normalize=((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)))
     one = script("evaluate.py", "--model_dir", best, "--data_dir", cifar_jpegs, "--batch_size", 8,
                  "--output_dir", tmp_path / "one")
     assert one.returncode == 0, one.output
