@@ -153,11 +153,11 @@ def find_checkpoint(output_dir, resume):
         choose += (f" The run an --overwrite replaced is in {output_dir / PREVIOUS_RUN}: move its files back into "
                    f"{output_dir} to continue it.")
     if resume == "latest":
-        pointer = checkpoints / "latest"
-        if not pointer.is_file() and earlier_run(output_dir):
+        pointer, earlier = checkpoints / "latest", earlier_run(output_dir)
+        if not pointer.is_file() and earlier:
             raise UserError(f"--resume latest: {output_dir} holds the outputs of a run that never reached its first "
-                            f"checkpoint ({', '.join(earlier_run(output_dir))}): there is nothing to continue. Start "
-                            "it again with --resume auto or --overwrite.")
+                            f"checkpoint ({', '.join(earlier)}): there is nothing to continue. Start it again with "
+                            "--resume auto or --overwrite.")
         if not pointer.is_file():
             raise UserError(f"--resume latest: no checkpoint in {checkpoints} ({pointer.name} not found). {choose}")
         path = checkpoints / pointer.read_text().strip()

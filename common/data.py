@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from .errors import UserError
 from .images import check_classes, convert_image, list_image_folder, read_image, split_dataset
-from .outputs import WriteFailed, write_atomically
+from .outputs import write_if_possible
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -366,11 +366,8 @@ def _read_decoded(path, fingerprint):
 
 def _write_decoded(path, images, fingerprint):
     """Best effort: a read-only or full data folder just means decoding again next time."""
-    try:
-        write_atomically(path, lambda tmp: save_file({"images": images.contiguous()}, tmp,
-                                                     metadata={"fingerprint": fingerprint}))
-    except WriteFailed:
-        pass
+    write_if_possible(path, lambda tmp: save_file({"images": images.contiguous()}, tmp,
+                                                  metadata={"fingerprint": fingerprint}))
 
 
 # --- MNIST and Fashion-MNIST (IDX files) ------------------------------------------------------------

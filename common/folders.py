@@ -25,7 +25,7 @@ import torch
 from .data import InMemoryDataset, build_dataloader
 from .errors import UserError
 from .images import read_image
-from .outputs import WriteFailed, write_atomically
+from .outputs import write_if_possible
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -113,7 +113,7 @@ def _check_shared_out(files, decode, *, accelerator, record, cache_size):
     if record is not None and rank == 0:
         text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
                            "decoded": decoded.name if decoded and decoded.exists() else None, "bad": bad})
-        _write_quietly(Path(record), lambda tmp: tmp.write_text(text))
+        write_if_possible(Path(record), lambda tmp: tmp.write_text(text))
     return [(Path(path), error) for path, error in bad], cache
 
 
@@ -200,15 +200,6 @@ def _map(path):
     if path is None or not path.exists():
         return None
     return torch.from_numpy(np.load(path, mmap_mode="c"))
-
-
-def _write_quietly(path, write):
-    """write_atomically, or nothing where the folder cannot be written (a read-only or full data folder): the
-    record only saves the next run some time."""
-    try:
-        write_atomically(path, write)
-    except WriteFailed:
-        pass
 
 
 def _broadcast(accelerator, value):

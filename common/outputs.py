@@ -154,9 +154,7 @@ def remove_leftovers(output_dir):
     for path in [*output_dir.glob(".*"), *(checkpoints.glob(".*") if checkpoints.is_dir() else [])]:
         name = path.name[1:].removesuffix(".old")
         if path.name.endswith(".old") and (name in RUN_OUTPUTS or name.startswith("epoch_")):
-            if not path.with_name(name).exists():
-                os.replace(path, path.with_name(name))
-            remove(path)
+            _put_back(path, path.with_name(name))
         elif re.fullmatch(r"\.tmp-.+|\..+\.\d+\.tmp.*|\.(shared-check|write-probe)-.+", path.name):
             remove(path)
 
@@ -299,6 +297,15 @@ def failed_write_is_said(path):
         raise WriteFailed(path, reason) from None
 
 
+def write_if_possible(path, write):
+    """write_atomically, or nothing where the folder cannot be written (read-only, full): for what only saves a
+    later run some time (the image-check records and decode caches beside the data)."""
+    try:
+        write_atomically(path, write)
+    except WriteFailed:
+        pass
+
+
 def _probe_write(folder):
     """Why 64 KiB cannot be written to disk in `folder` (the OSError's words), or None when they can."""
     probe = Path(folder) / f".write-probe-{os.getpid()}"
@@ -335,15 +342,21 @@ def publish(tmp, final):
     at the start of the next run, puts back.
     """
     old = final.with_name(f".{final.name}.old")
-    if old.exists() and not final.exists():
-        os.replace(old, final)
-    remove(old)
+    _put_back(old, final)
     for item in [*tmp.rglob("*"), tmp] if tmp.is_dir() else [tmp]:
         _fsync(item)
     if tmp.is_dir() and final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync(final.parent)
+    remove(old)
+
+
+def _put_back(old, final):
+    """`publish`'s `.NAME.old` goes back to NAME where a kill between its two renames left NAME missing; else it
+    goes."""
+    if old.exists() and not final.exists():
+        os.replace(old, final)
     remove(old)
 
 

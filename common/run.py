@@ -34,8 +34,8 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .models import save_best_model
 from .errors import Interrupted, UserError
+from .models import save_best_model
 from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, write_reports
 
@@ -101,7 +101,7 @@ class TrainingRun:
     """Where a run stands and what it has written: epochs, batches and optimizer steps, the epoch's running
     totals, checkpoints (every `checkpoint_every` steps, each epoch, on SIGTERM; the newest
     `keep_checkpoints` kept), metrics.jsonl, best/ and the final report. `model_info` (common.models.
-    describe_model, plus the arguments) goes into every checkpoint and best/meta.json."""
+    describe_model) goes into every checkpoint and best/meta.json."""
 
     def __init__(self, accelerator, output_dir, *, model_info, total_steps, checkpoint_every=None, keep_checkpoints=2):
         self.accelerator, self.output_dir = accelerator, Path(output_dir)
