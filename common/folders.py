@@ -8,7 +8,6 @@ in-memory datasets: normalisation (and mixup) happen on the device.
 """
 
 import atexit
-import hashlib
 import json
 import math
 import multiprocessing
@@ -16,16 +15,16 @@ import multiprocessing.util  # noqa: F401  its exit function must be registered 
 import os
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .data import InMemoryDataset, build_dataloader
+from .decode_cache import check_images
 from .errors import UserError
 from .images import read_image
-from .outputs import write_if_possible
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -47,191 +46,6 @@ def read_mean_std(path):
     return tuple(mean), tuple(std)
 
 
-def check_images(files, *, skip_bad_images, cache_size=None, accelerator=None, record=None):
-    """Decode every image once -> (indices of the good ones, [(file, error)] of the bad, cache).
-
-    A bad image stops the run with its name unless `skip_bad_images`. With an `accelerator` each process
-    checks its own share and the bad lists are gathered, so that all agree. `record`: a JSON file beside
-    the data where the result is kept with a fingerprint of the files' names, sizes and times; a later
-    check of the same files reads it instead of decoding (best effort: a read-only folder means checking
-    again). With `cache_size` the cache holds every listed image as evaluation first sees it (short side
-    resized to cache_size, center square), uint8 (N, 3, S, S), index it with the good indices: decoded
-    once per machine into an .npy file beside the record and memory-mapped by every process, so the page
-    cache holds one copy; without a record, or where it cannot be written, decoded in memory.
-    """
-    shrink = build_eval_transform({"resize": cache_size, "center_crop": cache_size}) if cache_size else None
-
-    def decode(path):
-        try:
-            image = read_image(path)
-            return shrink(image) if cache_size else True
-        except (OSError, ValueError) as error:
-            return error
-
-    bad, cache = _check_shared_out(files, decode, accelerator=accelerator, record=record, cache_size=cache_size)
-    bad_files = {path for path, _ in bad}
-    if bad and not skip_bad_images:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
-                        "to leave unreadable images out")
-    good = [i for i, path in enumerate(files) if path not in bad_files]
-    if files and not good:
-        raise UserError(f"none of the {len(files)} images could be read, e.g. {bad[0][0]}: {bad[0][1]}")
-    return good, bad, cache
-
-
-def _check_shared_out(files, decode, *, accelerator, record, cache_size):
-    """([(file, error)] of the unreadable `files`, the decoded cache or None); see check_images.
-
-    The main process reads `record` and decides for all (another run may be writing it right now). Without
-    a fitting record: each process decodes every n-th file from its index and the bad lists are gathered;
-    with `cache_size` the processes of each machine share out its decode into the .npy file every one of them
-    then maps (`_decode_shared_out`). The main process writes the record, with each process's share."""
-    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    fingerprint = _fingerprint(files) if rank == 0 else None  # only the main process reads and writes the record
-    decoded = Path(record).with_name(f"{Path(record).stem}-{cache_size}px.npy") if record and cache_size else None
-    kept = _broadcast(accelerator, _read_record(record, fingerprint, decoded) if rank == 0 else None)
-    if kept is not None:
-        if rank == 0:
-            print(f"image check of {len(files)} images read from {record} (the files have not changed)")
-        return [(Path(path), error) for path, error in kept], _map(decoded)
-
-    if cache_size:  # one decode per machine, shared out among its processes, into the file every process maps
-        bad, shares, cache = _decode_shared_out(files, decode, decoded, cache_size, accelerator)
-    else:
-        share = files[rank::processes]
-        mine = [(str(path), f"{result}") for path, result in zip(share, _decode_all(decode, share))
-                if isinstance(result, Exception)]
-        bad, shares = (mine, [len(share)]) if processes == 1 else _gather_lists(accelerator, mine, len(share))
-        cache = None
-    order = {str(path): i for i, path in enumerate(files)}
-    bad = sorted(((str(path), str(error)) for path, error in bad), key=lambda item: order[item[0]])
-    if rank == 0:
-        print(f"checked {len(files)} images on {len(shares)} process(es) ({' + '.join(map(str, shares))})"
-              + (f", kept in {record}" if record else "")
-              + (f"; decoded once for this machine into {decoded.name}" if decoded and decoded.exists() else ""))
-    if record is not None and rank == 0:
-        text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
-                           "decoded": decoded.name if decoded and decoded.exists() else None, "bad": bad})
-        write_if_possible(Path(record), lambda tmp: tmp.write_text(text))
-    return [(Path(path), error) for path, error in bad], cache
-
-
-def _fingerprint(files):
-    """A hash of the files' names, sizes and modification times."""
-    stats = []
-    for path in files:
-        try:
-            stat = os.stat(path)
-            stats.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
-        except OSError:
-            stats.append(f"{path}:missing")
-    return hashlib.sha256("\n".join(stats).encode()).hexdigest()
-
-
-def _decode_shared_out(files, decode, path, cache_size, accelerator):
-    """([(file, error)], each process's share, uint8 (N, 3, S, S) of every file, zeros for the bad).
-
-    The machine's main process makes the .npy file `path` under a temporary name; each process of the
-    machine decodes every n-th file into its rows; once all are done (the bad lists are gathered) the main
-    process renames it and every process maps it. Where it cannot be written (a read-only data folder, no
-    `path`), every process decodes all of them into memory instead."""
-    machine, rank, processes = (_machine(accelerator) if accelerator and accelerator.num_processes > 1
-                                else (0, 0, 1))
-    tmp = None
-    if path is not None and rank == 0:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
-        try:
-            shape = (len(files), 3, cache_size, cache_size)
-            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape).flush()  # zeros, on disk
-            with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
-                os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            tmp = None
-    if processes > 1:  # the machine's main process names its file to the machine's other processes
-        from accelerate.utils import gather_object
-
-        tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
-    if tmp is None:
-        results = _decode_all(decode, files)
-        blank = torch.zeros(3, cache_size, cache_size, dtype=torch.uint8)
-        images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
-        return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
-    rows = range(rank, len(files), processes)
-    cache = np.load(tmp, mmap_mode="r+")
-    mine = []
-    for row, result in zip(rows, _decode_all(decode, [files[row] for row in rows])):
-        if isinstance(result, Exception):
-            mine.append((str(files[row]), f"{result}"))
-        else:
-            cache[row] = result.numpy()
-    cache.flush()
-    del cache
-    if accelerator is None or accelerator.num_processes == 1:
-        bad, shares = mine, [len(rows)]
-    else:  # also the moment every process of every machine has written its rows
-        bad, shares = _gather_lists(accelerator, mine, len(rows))
-        bad = list(dict(bad).items())  # several machines: each image decoded once on each
-    if rank == 0:
-        os.replace(tmp, path)
-    if accelerator:
-        accelerator.wait_for_everyone()
-    return bad, shares, _map(path)
-
-
-def _machine(accelerator):
-    """(this machine's index, this process's index on it, the machine's process count), from torchrun's
-    environment: every machine runs LOCAL_WORLD_SIZE processes with consecutive ranks."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    return accelerator.process_index // local, accelerator.local_process_index, local
-
-
-def _decode_all(decode, items):
-    """`decode` of each item, in order, on threads (PIL decodes without the GIL): one per core of this process's
-    share of the machine (`choose_num_workers`), at most 8."""
-    with ThreadPoolExecutor(max_workers=choose_num_workers()[0] + 1) as pool:
-        return list(pool.map(decode, items, chunksize=64))
-
-
-def _map(path):
-    """The .npy cache memory-mapped (copy on write: never written, and no warning about a read-only array), or
-    None when there is none."""
-    if path is None or not path.exists():
-        return None
-    return torch.from_numpy(np.load(path, mmap_mode="c"))
-
-
-def _broadcast(accelerator, value):
-    """The main process's `value` on every process."""
-    if accelerator is None or accelerator.num_processes == 1:
-        return value
-    from accelerate.utils import broadcast_object_list
-
-    return broadcast_object_list([value])[0]
-
-
-def _read_record(record, fingerprint, decoded=None):
-    """The bad list a check of these very files kept in `record` (and, when `decoded` is asked for, with that
-    cache written), or None (no record, another list, no cache, damaged)."""
-    try:
-        kept = json.loads(Path(record).read_text())
-        if kept["fingerprint"] != fingerprint or (decoded and not (kept["decoded"] == decoded.name
-                                                                   and decoded.exists())):
-            return None
-        return [(str(path), str(error)) for path, error in kept["bad"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _gather_lists(accelerator, bad, count):
-    """Every process's bad list, concatenated, and every process's share size, on every process."""
-    from accelerate.utils import gather_object
-
-    gathered = gather_object([(bad, count)])
-    return [item for mine, _ in gathered for item in mine], [count for _, count in gathered]
-
-
 def build_train_transform(image_size, auto_augment="none", *, geometry=True):
     """Per-sample augmentation, PIL or uint8 tensor in, uint8 (3, S, S) tensor out: random resized crop,
     horizontal and vertical flips, rotation (seedlings are photographed from above, so any orientation is a
@@ -248,17 +62,27 @@ def build_train_transform(image_size, auto_augment="none", *, geometry=True):
     return v2.Compose([v2.ToImage(), *crop, *policy, v2.ToPureTensor()])
 
 
-def build_eval_transform(spec):
-    """The evaluation preprocessing that a model description's "eval_transform" names (common.models.
-    describe_model), PIL image or uint8 tensor in, uint8 (C, H, W) tensor out: {"resize": S, "center_crop":
-    [H, W]} resizes the shorter side to S and crops the center; {"resize": [H, W]} resizes a PIL image to that
-    size with PIL's bilinear filter, as `common.data.decode_image` decodes the in-memory datasets."""
-    from torchvision.transforms import v2
+def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), degrees=30.0):
+    """The folder datasets' training augmentation on the device, for a batch at once: per sample a random
+    resized crop (`scale` of the area, aspect `ratio`), horizontal and vertical flips and a rotation of up to
+    `degrees`, as one affine map sampled bilinearly (affine_grid + grid_sample). uint8 or float (N, C, H, W)
+    in, float (N, C, size, size) on the 0-255 scale out, for `preprocess`; corners rotated in are black."""
+    n, device = len(images), images.device
+    area = torch.empty(n, device=device).uniform_(*scale)
+    aspect = torch.empty(n, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
+    width, height = (area * aspect).sqrt().clamp(max=1), (area / aspect).sqrt().clamp(max=1)  # of the input
+    center_x = (torch.rand(n, device=device) * 2 - 1) * (1 - width)
+    center_y = (torch.rand(n, device=device) * 2 - 1) * (1 - height)
+    flip_x = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
+    flip_y = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
+    angle = torch.empty(n, device=device).uniform_(-degrees, degrees).deg2rad()
+    cos, sin = angle.cos(), angle.sin()
+    # output grid (x, y) in [-1, 1] -> rotate -> flip and scale to the crop -> move to its center
+    theta = torch.stack([torch.stack([width * flip_x * cos, -width * flip_x * sin, center_x], 1),
+                         torch.stack([height * flip_y * sin, height * flip_y * cos, center_y], 1)], 1)
+    grid = F.affine_grid(theta, (n, images.shape[1], size, size), align_corners=False)
+    return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
-    if "center_crop" in spec:
-        return v2.Compose([v2.ToImage(), v2.Resize(spec["resize"], antialias=True), v2.CenterCrop(spec["center_crop"]),
-                           v2.ToPureTensor()])
-    return v2.Compose([v2.Resize(spec["resize"]), v2.ToImage(), v2.ToPureTensor()])
 
 
 def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None):
@@ -269,7 +93,8 @@ def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, 
     With a cache and no `transform` (nothing to do per sample) an InMemoryDataset over the mapped cache
     instead: each batch is one gather of its rows, in the training process, with no workers and no Python per
     image, so that the CPU only copies bytes while the device augments."""
-    good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images, cache_size=cache_size,
+    good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images,
+                                    cache={"resize": cache_size, "center_crop": cache_size} if cache_size else None,
                                     accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
     labels, classes = [split["labels"][i] for i in good], split["classes"]
     if cache is not None and transform is None:

@@ -171,3 +171,16 @@ def convert_image(image, *, channels=3):
         wide = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))
     return image.convert("L" if channels == 1 else "RGB")
+
+
+def build_eval_transform(spec):
+    """The evaluation preprocessing a model description's "eval_transform" names (common.models.describe_model),
+    PIL image or uint8 tensor in, uint8 (C, H, W) tensor out: {"resize": S, "center_crop": [H, W]} resizes the
+    shorter side to S and crops the center (folder datasets); {"resize": [H, W]} resizes a PIL image to that size
+    with PIL's bilinear filter (the in-memory datasets)."""
+    from torchvision.transforms import v2  # imported here: it takes a second, and training on tensors needs none
+
+    if "center_crop" in spec:
+        return v2.Compose([v2.ToImage(), v2.Resize(spec["resize"], antialias=True), v2.CenterCrop(spec["center_crop"]),
+                           v2.ToPureTensor()])
+    return v2.Compose([v2.Resize(spec["resize"]), v2.ToImage(), v2.ToPureTensor()])

@@ -35,7 +35,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms
@@ -44,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
-from common.data import CIFAR10_MEAN, CIFAR10_STD, InMemoryDataset, build_dataloader, decode_image, preprocess  # noqa: E402
+from common.cifar import CIFAR10_MEAN, CIFAR10_STD  # noqa: E402
+from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
-from common.images import list_image_folder  # noqa: E402
+from common.images import build_eval_transform, list_image_folder, read_image  # noqa: E402
 from common.models import build_model  # noqa: E402
 
 
@@ -223,10 +223,11 @@ def main(args):
 
     # data path: ours decodes once (timed separately), then serves batches from memory
     start = time.perf_counter()
-    pixels = torch.from_numpy(np.stack([decode_image(f, size=(32, 32), channels=3) for f in files]))
+    resize = build_eval_transform({"resize": [32, 32]})
+    pixels = torch.stack([resize(read_image(f)) for f in files])
     results["ours_decode_once_images_per_s"] = len(files) / (time.perf_counter() - start)
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile)
-    dataset = InMemoryDataset(pixels.permute(0, 3, 1, 2), torch.tensor(labels), classes)
+    dataset = InMemoryDataset(pixels, torch.tensor(labels), classes)
     ours_loader = accelerator.prepare(build_dataloader(dataset, batch_size=args.batch_size, shuffle=True))
     seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
                                               shuffle=True, num_workers=0)

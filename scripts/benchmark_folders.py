@@ -132,8 +132,9 @@ def data_path_rates(folder, args):
     the seed's pipeline."""
     from torchvision import transforms
 
-    from common.data import preprocess, random_resized_crop
-    from common.folders import ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform
+    from common.data import preprocess
+    from common.folders import (ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform,
+                                random_resized_crop)
     from common.models import resize_size
     from common.images import find_splits
 

@@ -25,8 +25,8 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.exported import INPUT, OUTPUT, OnnxModel, description_path  # noqa: E402
 from common.flags import ArgumentParser, number  # noqa: E402
 from common.models import load_best_model  # noqa: E402
-from common.folders import ImageFiles, build_eval_transform, build_file_dataloader  # noqa: E402
-from common.images import find_images  # noqa: E402
+from common.folders import ImageFiles, build_file_dataloader  # noqa: E402
+from common.images import build_eval_transform, find_images  # noqa: E402
 from common.outputs import check_output_file, write_atomically  # noqa: E402
 
 

@@ -29,7 +29,8 @@ from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
-from common.data import CIFAR10_MEAN, CIFAR10_STD, build_cifar10, build_dataloader, hold_out, preprocess  # noqa: E402
+from common.cifar import CIFAR10_MEAN, CIFAR10_STD, build_cifar10  # noqa: E402
+from common.data import build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
@@ -72,7 +73,7 @@ def main(args):
     set_seed(args.seed)
 
     # data: uint8 tensors in memory; crop, flip, Cutout/erasing and normalise happen on the device
-    train_set, test_set = build_cifar10(args.data_dir, download=args.download)
+    train_set, test_set = build_cifar10(args.data_dir, download=args.download, accelerator=accelerator)
     # --val_fraction: best/ is chosen on a held-out share of the training set, the test set is scored at the end
     train_set, eval_set = (hold_out(train_set, fraction=args.val_fraction, seed=args.seed) if args.val_fraction
                            else (train_set, test_set))

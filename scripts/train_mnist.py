@@ -31,7 +31,8 @@ from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
-from common.data import build_dataloader, build_digits, build_mnist, hold_out, preprocess  # noqa: E402
+from common.data import build_dataloader, hold_out, preprocess  # noqa: E402
+from common.mnist import build_digits, build_mnist  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402

@@ -37,16 +37,16 @@ from timm.data import Mixup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
-from common.data import InMemoryDataset, preprocess, random_resized_crop  # noqa: E402
+from common.data import InMemoryDataset, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
                           nonnegative_int, number, positive_int, probability)
-from common.folders import (ClassBalancedSampler, balanced_class_weights, build_eval_transform,  # noqa: E402
-                            build_file_dataloader, build_folder_dataset, build_train_transform, choose_num_workers,
+from common.folders import (ClassBalancedSampler, balanced_class_weights, build_file_dataloader,  # noqa: E402
+                            build_folder_dataset, build_train_transform, choose_num_workers, random_resized_crop,
                             read_mean_std)
-from common.images import find_splits  # noqa: E402
+from common.images import build_eval_transform, find_splits  # noqa: E402
 from common.models import build_ema, build_model, describe_model, load_pretrained, resize_size  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402

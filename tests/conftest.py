@@ -180,7 +180,7 @@ def seedlings(tmp_path_factory):
 def fashion_subset(tmp_path_factory):
     """The first 2,001 training and 1,001 test images of the real Fashion-MNIST, as IDX files (gz and plain)."""
     require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
-    from common.data import read_idx
+    from common.mnist import read_idx
 
     root = tmp_path_factory.mktemp("fashion_subset")
     for split, count, suffix in (("train", 2001, ".gz"), ("t10k", 1001, "")):

@@ -18,7 +18,8 @@ from PIL import Image
 
 from common.checkpoint import find_checkpoint
 from common.models import load_best_model
-from common.data import build_cifar10, build_mnist
+from common.cifar import build_cifar10
+from common.mnist import build_mnist
 from common.errors import UserError
 from common.flags import ArgumentParser
 from common.images import find_splits, read_image
@@ -151,7 +152,7 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped():
 
 
 def test_a_split_whose_images_are_all_unreadable_is_named_even_when_skipping():
-    from common.folders import check_images
+    from common.decode_cache import check_images
 
     files = [ODD_IMAGES / "truncated.png", ODD_IMAGES / "not_an_image.png"]
     with pytest.raises(UserError, match=r"none of the 2 images could be read, e.g. .*truncated.png"):
@@ -183,7 +184,7 @@ def test_compute_mean_std_checks_its_output_before_reading_images(tmp_path):
 @pytest.fixture
 def idx_folder(tmp_path):
     """A small MNIST-layout folder of real digits, as the four IDX files."""
-    from common.data import build_digits
+    from common.mnist import build_digits
 
     train, test = build_digits()
     folder = tmp_path / "idx"

@@ -13,8 +13,10 @@ import torch
 from PIL import Image
 
 from common.errors import UserError
-from common.data import (CIFAR10_CLASSES, build_cifar10, build_dataloader, build_digits, build_mnist,
-                         load_image_folder, preprocess, random_resized_crop, read_idx)
+from common.cifar import CIFAR10_CLASSES, build_cifar10, load_image_folder
+from common.data import build_dataloader, preprocess
+from common.folders import random_resized_crop
+from common.mnist import build_digits, build_mnist, read_idx
 from common.models import build_model
 from conftest import FASHION_MNIST, REPO, require, run_command, write_idx
 
@@ -270,17 +272,17 @@ def test_channels_last_model_computes_the_same_in_nhwc(name):
 
 
 def test_decoded_image_folder_is_cached_beside_the_data(tmp_path, cifar_jpegs, monkeypatch):
-    import common.data
+    import common.decode_cache
 
     root = tmp_path / "train"
     shutil.copytree(cifar_jpegs / "train", root)
     first = load_image_folder(root, size=(32, 32))
-    assert (root / ".decoded-32x32.safetensors").exists()
+    assert (tmp_path / ".checked-train-32x32.npy").exists() and (tmp_path / ".checked-train.json").exists()
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("decoded although the cache was valid")
 
-    monkeypatch.setattr(common.data, "decode_image", no_decoding)
+    monkeypatch.setattr(common.decode_cache, "read_image", no_decoding)
     second = load_image_folder(root, size=(32, 32))
     assert torch.equal(second.images, first.images) and torch.equal(second.labels, first.labels)
     assert second.classes == first.classes

@@ -135,7 +135,8 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
     import time
 
     import common.run
-    from common.data import build_dataloader, build_digits, preprocess
+    from common.data import build_dataloader, preprocess
+    from common.mnist import build_digits
     from common.distributed import build_accelerator
     from common.errors import Interrupted
     from common.models import build_model, describe_model

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.data import build_digits
+from common.mnist import build_digits
 from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
                       kill_everything, launch_command, read_run, run_command, spawn, wait_for, worker_pid)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.data import build_digits, preprocess
+from common.data import preprocess
+from common.mnist import build_digits
 from common.models import build_model, describe_model
 from conftest import REPO, launch, script
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_path, fashion_subset):
-    from common.data import build_mnist
+    from common.mnist import build_mnist
 
     output_dir = tmp_path / "run"
     result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", fashion_subset,
@@ -38,7 +38,7 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
 
 
 def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
-    from common.data import build_cifar10
+    from common.cifar import build_cifar10
 
     output_dir = tmp_path / "run"
     result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", cifar_jpegs, "--output_dir", output_dir,
@@ -52,7 +52,7 @@ def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
 
 
 def test_cifar_official_batches_path(tmp_path, cifar_jpegs):
-    from common.data import build_cifar10
+    from common.cifar import build_cifar10
     from test_builders import write_cifar_batches
 
     train, test = build_cifar10(cifar_jpegs)

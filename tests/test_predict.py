@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def write_test_pngs(folder):
-    from common.data import build_digits
+    from common.mnist import build_digits
 
     _, test = build_digits()
     for i, (image, label) in enumerate(zip(test.images, test.labels)):

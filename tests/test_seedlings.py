@@ -18,9 +18,9 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from common.errors import UserError
-from common.folders import (build_eval_transform, build_file_dataloader, build_folder_dataset, build_train_transform,
-                            check_images)
-from common.images import find_splits, list_image_folder, read_image, split_dataset
+from common.decode_cache import check_images
+from common.folders import build_file_dataloader, build_folder_dataset, build_train_transform
+from common.images import build_eval_transform, find_splits, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
@@ -97,7 +97,8 @@ def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
     garbage.write_text("not a png")
     with pytest.raises(UserError, match=r"cannot read image .*truncated.png: .*\(and 1 more\)\. .*--skip_bad_images"):
         check_images([*good, truncated, garbage], skip_bad_images=False)
-    kept, bad, cache = check_images([*good, truncated, garbage], skip_bad_images=True, cache_size=40)
+    kept, bad, cache = check_images([*good, truncated, garbage], skip_bad_images=True,
+                                   cache={"resize": 40, "center_crop": 40})
     assert kept == [0, 1] and [path for path, _ in bad] == [truncated, garbage]
     assert cache.shape == (4, 3, 40, 40) and cache.dtype == torch.uint8  # a row for each file, read with kept
     assert cache[kept].float().mean() > 10 and not cache[2:].any()

@@ -1,0 +1,168 @@
+"""CIFAR-10 in memory: the official python batches, their .tar.gz, an ImageFolder tree or a Hugging Face dataset."""
+
+import io
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data import InMemoryDataset, check_labels, download_dataset
+from .decode_cache import check_images
+from .errors import UserError
+from .images import check_classes, convert_image, list_image_folder
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def build_cifar10(data_dir, *, download=False, accelerator=None):
+    """(train, test) InMemoryDatasets from the python batches, their .tar.gz, an ImageFolder tree (train/ and
+    test/ or val/; decoded once, shared out among the `accelerator`'s processes) or `hf:NAME`."""
+    data_dir = str(data_dir)
+    if data_dir.startswith("hf:"):
+        return _cifar10_from_hf(data_dir[3:])
+    root = Path(data_dir)
+    found = _find_cifar10(root)
+    if download and (found is None or found == ("archive", root / "cifar-10-python.tar.gz")
+                     and not tarfile.is_tarfile(found[1])):  # torchvision replaces an archive whose checksum is wrong
+        download_dataset("CIFAR10", root)
+        found = _find_cifar10(root)
+    if found is None:
+        raise UserError(
+            f"no CIFAR-10 found at {root}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
+            f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "
+            f"{root}/test/<class>/*.jpg (or val/, as scripts/split_dataset.py writes), or --data_dir "
+            "hf:NAME_OR_PATH for a Hugging Face dataset. Add --download to fetch the official batches (needs internet)."
+        )
+    kind, path = found
+    if kind == "folder":
+        held_out = _held_out_folder(path)
+        train = load_image_folder(path / "train", size=(32, 32), accelerator=accelerator)
+        check_classes(train.classes, path / "train")
+        test = load_image_folder(held_out, size=(32, 32), accelerator=accelerator)
+        if train.classes != test.classes:
+            raise UserError(f"{path}/train and {held_out} have different class folders: "
+                            f"{train.classes} vs {test.classes}")
+        return train, test
+    return _cifar10_from_batches(kind, path)
+
+
+def _held_out_folder(folder):
+    """folder/test, else folder/val (what scripts/split_dataset.py writes), else None."""
+    return next((folder / name for name in ("test", "val") if (folder / name).is_dir()), None)
+
+
+def _find_cifar10(root):
+    for batches in (root / "cifar-10-batches-py", root):
+        if (batches / "data_batch_1").is_file():
+            return "batches", batches
+    for archive in (root / "cifar-10-python.tar.gz", root):
+        if archive.is_file() and archive.name.endswith((".tar.gz", ".tgz")):
+            return "archive", archive
+    for folder in (root, root / "cifar10"):
+        if (folder / "train").is_dir() and _held_out_folder(folder):
+            return "folder", folder
+    return None
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """The CIFAR batches are pickles: allow numpy arrays and builtins only, never arbitrary code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("builtins", "bytes")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR-10 batch file")
+        return super().find_class(module, name)
+
+
+def _read_batch(data, name):
+    try:
+        entry = _ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+        images = np.asarray(entry[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        return images, np.asarray(entry[b"labels"], dtype=np.int64)
+    except Exception as error:
+        raise UserError(f"{name} is not a readable CIFAR-10 batch file ({error})") from None
+
+
+def _cifar10_from_batches(kind, path):
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    if kind == "batches":
+        present = [name for name in names if (path / name).is_file()]
+        files = {name: (path / name).read_bytes() for name in present}
+    else:
+        try:
+            with tarfile.open(path) as archive:
+                files = {Path(m.name).name: archive.extractfile(m).read()
+                         for m in archive.getmembers() if m.isfile() and Path(m.name).name in names}
+        except (tarfile.TarError, OSError, EOFError) as error:
+            raise UserError(f"cannot read {path} as a .tar.gz of CIFAR-10 batches ({error}): it is damaged or "
+                            "not the CIFAR-10 archive. Delete it and run with --download, or point --data_dir at "
+                            "another copy") from None
+    train_names = [name for name in names[:5] if name in files]
+    if not train_names or "test_batch" not in files:
+        raise UserError(f"{path} lacks CIFAR-10 batch files: need data_batch_1..5 and test_batch, "
+                        f"found {sorted(files)}")
+    train = [_read_batch(files[name], f"{path}/{name}") for name in train_names]
+    test = _read_batch(files["test_batch"], f"{path}/test_batch")
+
+    def dataset(images, labels):
+        check_labels(labels, CIFAR10_CLASSES, source=path)
+        return InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), CIFAR10_CLASSES)
+
+    return (dataset(np.concatenate([b[0] for b in train]), np.concatenate([b[1] for b in train])),
+            dataset(*test))
+
+
+def _cifar10_from_hf(name_or_path):
+    import datasets  # imported here: only this source needs it
+
+    if Path(name_or_path).exists():
+        try:
+            splits = datasets.load_from_disk(name_or_path)
+        except FileNotFoundError:
+            raise UserError(f"hf:{name_or_path} is a folder but not a dataset saved with datasets' save_to_disk. For "
+                            f"a folder of images pass --data_dir {name_or_path} (without hf:)") from None
+    else:
+        try:
+            splits = datasets.load_dataset(name_or_path)
+        except Exception as error:
+            raise UserError(f"cannot load Hugging Face dataset {name_or_path!r} (not a local folder saved with "
+                            f"save_to_disk, and the hub said: {error})") from None
+    if not {"train", "test"} <= set(splits):
+        raise UserError(f"Hugging Face dataset {name_or_path!r} needs 'train' and 'test' splits, has {list(splits)}")
+    return tuple(_from_hf_split(splits[split], name_or_path) for split in ("train", "test"))
+
+
+def _from_hf_split(split, name):
+    import datasets
+
+    image_column = next((c for c, f in split.features.items() if isinstance(f, datasets.Image)), None)
+    label_column = next((c for c, f in split.features.items() if isinstance(f, datasets.ClassLabel)), None)
+    if image_column is None or label_column is None:
+        raise UserError(f"Hugging Face dataset {name!r} needs an Image column and a ClassLabel column, "
+                        f"has {dict(split.features)}")
+    images = np.stack([np.asarray(convert_image(image).resize((32, 32))) for image in split[image_column]])
+    labels = torch.tensor(split[label_column], dtype=torch.long)
+    return InMemoryDataset(torch.from_numpy(images).permute(0, 3, 1, 2), labels,
+                           split.features[label_column].names)
+
+
+def load_image_folder(root, *, size, accelerator=None):
+    """A `root/<class>/<image>` tree as an InMemoryDataset of RGB images resized to `size` (PIL bilinear), decoded
+    once into the decode cache beside it (ROOT/../.checked-NAME-HxW.npy, shared out among the `accelerator`'s
+    processes): CIFAR-10's 60,000 JPEGs are read back in a second the next time."""
+    root = Path(root)
+    files, labels, classes, _ = list_image_folder(root)
+    _, bad, images = check_images(files, skip_bad_images=True, cache={"resize": list(size)}, accelerator=accelerator,
+                                  record=root.parent / f".checked-{root.name}.json")
+    if bad:
+        raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}. Remove it, or replace it with a readable copy")
+    return InMemoryDataset(images, torch.tensor(labels), classes)
+
+
+# for scripts/evaluate.py: each dataset by the name describe_model records, as (data_dir, seed) -> (train, test)
+DATASETS = {"cifar10": lambda data_dir, seed: build_cifar10(data_dir)}

@@ -1,0 +1,190 @@
+"""The one decode cache: every image of a list decoded once, unreadable ones named, and the result kept beside the
+data with a fingerprint of the files, so that the next run reads it instead of decoding again.
+
+ROOT/.checked-NAME.json records the check (fingerprint, the bad files); with a `cache` spec the images, as
+evaluation first sees them, go into ROOT/.checked-NAME-SIZE.npy, decoded once per machine (each process its
+share) and memory-mapped by every process, so that the page cache holds one copy. Both files are best effort:
+a read-only data folder means decoding again.
+"""
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+
+from .errors import UserError
+from .images import build_eval_transform, read_image
+from .outputs import write_if_possible
+
+
+def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record=None):
+    """Decode every file once -> (indices of the good ones, [(file, error)] of the bad, the cache or None).
+
+    A bad image stops the run with its name unless `skip_bad_images`. `cache`: an eval_transform spec
+    (common.models.describe_model) for a uint8 (N, 3, H, W) of every listed file, zeros for the bad ones.
+    With an `accelerator` each process decodes its share and all agree on the result. `record`: the JSON file
+    that keeps it (None: nothing is kept).
+    """
+    shrink = build_eval_transform(cache) if cache else None
+
+    def decode(path):
+        try:
+            image = read_image(path)
+            return shrink(image) if shrink else True
+        except (OSError, ValueError) as error:
+            return error
+
+    bad, images = _check(files, decode, accelerator=accelerator, record=record, cache=cache)
+    if bad and not skip_bad_images:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
+                        "to leave unreadable images out")
+    bad_files = {path for path, _ in bad}
+    good = [i for i, path in enumerate(files) if path not in bad_files]
+    if files and not good:
+        raise UserError(f"none of the {len(files)} images could be read, e.g. {bad[0][0]}: {bad[0][1]}")
+    return good, bad, images
+
+
+def _check(files, decode, *, accelerator, record, cache):
+    """([(file, error)] of the unreadable `files`, the cache or None). The main process reads the record and
+    decides for all (another run may be writing it right now), and writes it."""
+    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    fingerprint = _fingerprint(files) if rank == 0 else None
+    decoded = Path(record).with_name(f"{Path(record).stem}-{_size_name(cache)}.npy") if record and cache else None
+    kept = _read_record(record, fingerprint, decoded) if rank == 0 else None
+    kept = broadcast_object_list([kept])[0] if processes > 1 else kept
+    if kept is not None:
+        if rank == 0:
+            print(f"image check of {len(files)} images read from {record} (the files have not changed)")
+        return [(Path(path), error) for path, error in kept], _map(decoded)
+
+    if cache:
+        bad, shares, images = _decode_shared_out(files, decode, decoded, _size(cache), accelerator)
+    else:
+        share = files[rank::processes]
+        mine = [(str(path), f"{result}") for path, result in zip(share, _decode_all(decode, share))
+                if isinstance(result, Exception)]
+        bad, shares = (mine, [len(share)]) if processes == 1 else _gather_lists(mine, len(share))
+        images = None
+    order = {str(path): i for i, path in enumerate(files)}
+    bad = sorted(((str(path), str(error)) for path, error in bad), key=lambda item: order[item[0]])
+    written = decoded is not None and decoded.exists()
+    if rank == 0:
+        print(f"checked {len(files)} images on {len(shares)} process(es) ({' + '.join(map(str, shares))})"
+              + (f", kept in {record}" if record else "")
+              + (f"; decoded once for this machine into {decoded.name}" if written else ""))
+    if record is not None and rank == 0:
+        text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
+                           "decoded": decoded.name if written else None, "bad": bad})
+        write_if_possible(Path(record), lambda tmp: tmp.write_text(text))
+    return [(Path(path), error) for path, error in bad], images
+
+
+def _size(spec):
+    crop = spec.get("center_crop", spec["resize"])
+    return (crop, crop) if isinstance(crop, int) else tuple(crop)
+
+
+def _size_name(spec):
+    """55px (short side resized, center square cropped: the folder datasets) or 32x32 (resized to that size)."""
+    return f"{_size(spec)[0]}px" if "center_crop" in spec else "x".join(map(str, _size(spec)))
+
+
+def _fingerprint(files):
+    """A hash of the files' names, sizes and modification times."""
+    stats = []
+    for path in files:
+        try:
+            stat = os.stat(path)
+            stats.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+        except OSError:
+            stats.append(f"{path}:missing")
+    return hashlib.sha256("\n".join(stats).encode()).hexdigest()
+
+
+def _read_record(record, fingerprint, decoded):
+    """The bad list kept in `record` for these very files (with the `decoded` cache, when asked for), or None."""
+    try:
+        kept = json.loads(Path(record).read_text())
+        if kept["fingerprint"] != fingerprint or (decoded and not (kept["decoded"] == decoded.name
+                                                                   and decoded.exists())):
+            return None
+        return [(str(path), str(error)) for path, error in kept["bad"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _decode_shared_out(files, decode, path, size, accelerator):
+    """([(file, error)], each process's share, uint8 (N, 3, H, W)). The machine's main process creates the .npy
+    under a temporary name, each of the machine's processes decodes every n-th file into its rows, then the main
+    process renames it and every process maps it. Where it cannot be written, every process decodes all of them
+    into memory instead."""
+    machine, rank, processes = (_machine(accelerator) if accelerator and accelerator.num_processes > 1
+                                else (0, 0, 1))
+    tmp = None
+    if path is not None and rank == 0:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
+        try:
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), 3, *size)).flush()
+            with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
+                os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            tmp = None
+    if processes > 1:  # the machine's main process names its file to the machine's other processes
+        tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
+    if tmp is None:
+        results = _decode_all(decode, files)
+        blank = torch.zeros(3, *size, dtype=torch.uint8)
+        images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
+        return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
+    rows = range(rank, len(files), processes)
+    images = np.load(tmp, mmap_mode="r+")
+    mine = []
+    for row, result in zip(rows, _decode_all(decode, [files[row] for row in rows])):
+        if isinstance(result, Exception):
+            mine.append((str(files[row]), f"{result}"))
+        else:
+            images[row] = result.numpy()
+    images.flush()
+    del images
+    if accelerator is None or accelerator.num_processes == 1:
+        bad, shares = mine, [len(rows)]
+    else:  # also the moment every process of every machine has written its rows
+        bad, shares = _gather_lists(mine, len(rows))
+        bad = list(dict(bad).items())  # several machines: each image decoded once on each
+    if rank == 0:
+        os.replace(tmp, path)
+    if accelerator:
+        accelerator.wait_for_everyone()
+    return bad, shares, _map(path)
+
+
+def _machine(accelerator):
+    """(this machine's index, this process's index on it, the machine's process count): torchrun starts
+    LOCAL_WORLD_SIZE processes with consecutive ranks on every machine."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    return accelerator.process_index // local, accelerator.local_process_index, local
+
+
+def _decode_all(decode, items):
+    """`decode` of each item, in order, on threads (PIL decodes without the GIL)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(decode, items, chunksize=64))
+
+
+def _map(path):
+    """The .npy cache memory-mapped copy-on-write (never written, and torch does not warn of a read-only array)."""
+    return torch.from_numpy(np.load(path, mmap_mode="c")) if path is not None and path.exists() else None
+
+
+def _gather_lists(bad, count):
+    """Every process's bad list, concatenated, and every process's share size."""
+    gathered = gather_object([(bad, count)])
+    return [item for mine, _ in gathered for item in mine], [count for _, count in gathered]
