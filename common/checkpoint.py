@@ -1,9 +1,7 @@
-"""Checkpoints, written so that a kill cannot break them, and resuming from them (exactly).
+"""Checkpoints that a kill cannot break, and exact resuming from them.
 
-A checkpoint is `accelerator.save_state` (model and optimizer, grad scaler, RNG of every process) plus
-trainer_state.json: where the run stands (epoch, batch within it, step, best accuracy, the epoch's running
-totals), the LR schedule, the model description and the run's arguments. Nothing is unpickled on resume
-except through `torch.load(weights_only=True)`, which Accelerate >= 1.1 uses for all of it.
+A checkpoint is `accelerator.save_state` plus trainer_state.json (where the run stands, the LR schedule, the model
+description, the arguments). Resuming unpickles only through `torch.load(weights_only=True)` (Accelerate >= 1.1).
 """
 
 import hashlib
@@ -21,15 +19,9 @@ from .reporting import truncate_metrics
 
 
 def save_checkpoint(accelerator, output_dir, name, *, state, keep):
-    """Save the run into output_dir/checkpoints/NAME with `state` as trainer_state.json, and point `latest`
-    at it; a kill at any moment leaves `latest` naming a complete checkpoint. Every process calls it. Keeps
-    the newest `keep`; returns the path.
-
-    Every process writes into checkpoints/.tmp-NAME (its RNG state; the main process the rest), then the
-    main process adds trainer_state.json (with every file's size and checksum), flushes it all to disk and
-    renames the folder, which is atomic (`publish`); only then does it rewrite `latest` (atomically too) and
-    delete old checkpoints. A failed write (a full disk) removes .tmp-NAME and is a WriteFailed naming it.
-    """
+    """Save the run as checkpoints/NAME (`state` as trainer_state.json), point `latest` at it and keep the newest
+    `keep`; every process calls it. Written in .tmp-NAME and renamed (`publish`), so that a kill at any moment
+    leaves `latest` naming a complete checkpoint."""
     checkpoints = Path(output_dir) / "checkpoints"
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
     if accelerator.is_main_process:
@@ -44,7 +36,7 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
                 state = {**state, "files": {str(file.relative_to(tmp)): [file.stat().st_size, sha256(file)]
                                             for file in sorted(tmp.rglob("*")) if file.is_file()}}
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-                publish(tmp, final)  # replaces the same point saved before (a resumed run that stopped again at once)
+                publish(tmp, final)  # may replace the same point (a resumed run that stopped again at once)
     finally:
         if accelerator.is_main_process:
             remove(tmp)  # after a failure: nothing half-written stays
@@ -59,11 +51,8 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
 
 
 def resolve_args(args, *, parse_args):
-    """(the arguments the run goes with, its checkpoint or None): the command line's, checked; with --resume,
-    the checkpoint's training arguments (`restore_args`) and the checkpoint itself (`find_checkpoint`).
-
-    `--resume auto` with no checkpoint starts the run (setting aside the outputs of one that never reached its
-    first checkpoint); on a finished run it stops with NothingToDo (exit 0), where `latest` refuses."""
+    """(the run's arguments, its checkpoint or None); with --resume, the checkpoint's arguments. `--resume auto`
+    starts a run that has no checkpoint, and stops a finished one with NothingToDo (exit 0), where `latest` refuses."""
     check_args(args)
     if not args.resume:
         return args, None
@@ -88,8 +77,7 @@ def resolve_args(args, *, parse_args):
 
 
 def check_same_run(args, checkpoint):
-    """--resume auto continues only the run this very command started: every argument that says what the run
-    computes (all but the runtime flags) as in the checkpoint."""
+    """--resume auto continues only the run this very command started: all but the runtime flags as saved."""
     ours, shown = args_to_dict(args), lambda value: "unset" if value is None else value
     differ = [f"--{name} {shown(saved)} there, {shown(ours.get(name))} here"
               for name, saved in checkpoint["args"].items()
@@ -101,13 +89,8 @@ def check_same_run(args, checkpoint):
 
 
 def restore_args(args, saved, *, parse_args):
-    """The arguments of a resumed run: the checkpoint's, except the runtime flags.
-
-    A flag not typed takes the checkpoint's value; one typed with another value than the checkpoint's is
-    refused (its default value too: `--epochs 2` on a 3-epoch run), since the run could not continue as it
-    began. The result goes through `parse_args` again, so a value edited by hand in trainer_state.json is
-    checked like a typed one.
-    """
+    """The checkpoint's arguments, except the runtime flags; a flag typed with another value (even its default) is
+    refused. Parsed again, so that a value edited by hand in trainer_state.json is checked like a typed one."""
     defaults = vars(parse_args([]))
     restored = dict(vars(args))
     typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
@@ -115,11 +98,9 @@ def restore_args(args, saved, *, parse_args):
         if name in args.runtime or name not in restored or restored[name] == value:
             continue
         if (name in typed) if typed is not None else restored[name] != defaults[name]:
-            raise UserError(
-                f"--{name} is {restored[name]} on the command line but "
-                f"{'unset (its default)' if value is None else value} in the checkpoint. A resumed run "
-                f"keeps its arguments: drop --{name}, or start a new run in another --output_dir."
-            )
+            raise UserError(f"--{name} is {restored[name]} on the command line but "
+                            f"{'unset (its default)' if value is None else value} in the checkpoint. A resumed run "
+                            f"keeps its arguments: drop --{name}, or start a new run in another --output_dir.")
         restored[name] = value
     argv = []
     for name, value in restored.items():
@@ -140,10 +121,7 @@ def restore_args(args, saved, *, parse_args):
 
 
 def find_checkpoint(output_dir, resume):
-    """The checkpoint --resume names (`latest` in output_dir/checkpoints, or a folder): its trainer state + "path".
-
-    Reads only JSON, so it can run before anything is built: a resumed run takes its arguments from it.
-    """
+    """The checkpoint --resume names: its trainer state + "path". Only JSON is read: it runs before any build."""
     output_dir = Path(output_dir)
     checkpoints = output_dir / "checkpoints"
     others = sorted(p.name for p in checkpoints.glob("epoch_*")) if checkpoints.is_dir() else []
@@ -195,8 +173,7 @@ def sha256(path):
 
 
 def _damage(folder, files):
-    """What differs between the checkpoint `folder` and the sizes and checksums its trainer_state.json recorded
-    ({file: [size, sha256]}), or None: Accelerate would load a cut random_states_0.pkl without a word."""
+    """What differs from the recorded {file: [size, sha256]}, or None: Accelerate would load a cut file silently."""
     for name, (size, digest) in files.items():
         file = folder / name
         if not file.is_file():
@@ -214,7 +191,6 @@ STATE_FIELDS = {"args": dict, "architecture": str, "model_kwargs": dict, "epoch"
 
 
 def _check_state(state):
-    """What is wrong with a checkpoint's trainer state, or None."""
     if not isinstance(state, dict):
         return "not a JSON object"
     for name, kind in STATE_FIELDS.items():
@@ -236,15 +212,10 @@ def _check_state(state):
 
 
 def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info, output_dir):
-    """Restore a checkpoint from `find_checkpoint` into the prepared objects and the LR schedule; the run in
-    `output_dir` goes on from there (an older checkpoint's later ones and metrics lines go).
-
-    Refuses, with both sides named, a checkpoint of another model or class count, and a mid-epoch one
-    written by another number of processes (the data shards would differ).
-    """
+    """Restore `find_checkpoint`'s checkpoint into the prepared objects; later checkpoints and metrics lines go.
+    Refuses another model, and a mid-epoch checkpoint of another process count (the data shards would differ)."""
     path = checkpoint["path"]
-    theirs, ours = (checkpoint["architecture"], checkpoint["model_kwargs"]), (model_info["architecture"],
-                                                                            model_info["model_kwargs"])
+    theirs, ours = [(info["architecture"], info["model_kwargs"]) for info in (checkpoint, model_info)]
     if theirs != ours:
         raise UserError(f"checkpoint {path} holds {theirs[0]} with {theirs[1]}, but this run builds {ours[0]} with "
                         f"{ours[1]}. Resume it with the script and data it was trained on, or start a new run.")
@@ -271,9 +242,8 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
 
 
 def finished_because(checkpoint, *, epochs, max_steps=None, patience=None):
-    """Why the run `checkpoint` belongs to has nothing left to train, or None: every epoch done, --max_steps
-    reached, or --patience epochs without a better val accuracy. Counted in epochs, not in steps, which
-    depend on the process count: a finished run stays finished on any number of processes."""
+    """Why the checkpoint's run has nothing left to train, or None. Counted in epochs, not in steps, which depend
+    on the process count: a finished run stays finished on any number of processes."""
     epoch, step, best_epoch = checkpoint["epoch"], checkpoint["step"], checkpoint.get("best_epoch", 0)
     if epoch > epochs:
         return f"epoch {epochs} of {epochs} done"
@@ -286,12 +256,11 @@ def finished_because(checkpoint, *, epochs, max_steps=None, patience=None):
 
 
 def drop_later_checkpoints(output_dir, path):
-    """A run resumed from an older checkpoint of its own goes on from there: the checkpoints after it go, and
-    `latest` names it (main process)."""
-    checkpoints = Path(output_dir) / "checkpoints"
-    if Path(path).resolve().parent != checkpoints.resolve():
+    """A run resumed from an older checkpoint of its own goes on from there (main process)."""
+    checkpoints, path = Path(output_dir) / "checkpoints", Path(path)
+    if path.resolve().parent != checkpoints.resolve():
         return  # a checkpoint of another folder: this one holds no later checkpoints of that run
     for later in checkpoints.glob("epoch_*"):
-        if later.name > Path(path).name:
+        if later.name > path.name:
             remove(later)
-    write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(Path(path).name + "\n"))
+    write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))

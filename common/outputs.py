@@ -1,9 +1,7 @@
 """Where runs and tools write: checked before anything is computed, and nothing a user has is ever lost.
 
-Three rules: everything a run reads and checks succeeds before anything is moved or replaced (an earlier run
-goes aside into previous_run/ only at `set_aside_earlier_run`, once the data and the model are built); no
-output is written onto an input (an image, the dataset tree); a file is replaced only by a rename of its
-complete successor.
+Nothing is moved or replaced before everything a run reads has been checked; no output is written onto an input;
+a file is replaced only by a rename of its complete successor (`write_atomically`, the one writer).
 """
 
 import atexit
@@ -12,7 +10,7 @@ import re
 import shutil
 import socket
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -29,13 +27,8 @@ PREVIOUS_RUN = "previous_run"
 
 
 def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
-    """Check --output_dir before anything is built, create it and lock it for this run; moves and deletes nothing
-    but what a killed run left half-written (`remove_leftovers`).
-
-    Refused: a file, a folder that cannot be written, a folder inside an input (`inputs`: the data), a folder
-    another run is writing (`lock_output_dir`), and a folder holding an earlier run unless --resume or
-    --overwrite. With several processes, all of them must see the main process's files there.
-    """
+    """Check --output_dir before anything is built, create it and lock it for this run; deletes nothing but
+    what a killed run left half-written. An earlier run there is refused unless --resume or --overwrite."""
     output_dir = Path(output_dir)
     check_not_inside(output_dir, inputs, flag="--output_dir")
     if output_dir.exists() and not output_dir.is_dir():
@@ -79,16 +72,9 @@ _locks = {}  # the run folders this process holds: {resolved folder: filelock.So
 
 
 def lock_output_dir(output_dir):
-    """Take OUTPUT_DIR/.lock for this process, until it exits or `unlock_output_dirs`; None, or why not.
-
-    filelock's SoftFileLease: a marker file naming this host and process, created exclusively and refreshed
-    every 10 s by a thread. A second run finds it and is refused, naming the holder. A marker left by a run that
-    was killed is taken over at once when its process is gone from this host; from another host, whose processes
-    cannot be seen, once it has not been refreshed for LOCK_LEASE_S (the machine died), so a requeued job waits
-    about a minute instead of being refused. Unlike fcntl/flock locks, which filelock's documentation finds do
-    not exclude across NFS clients, the marker works on any shared filesystem with exclusive create; a holder
-    paused longer than the lease (SIGSTOP, a frozen node) can lose it.
-    """
+    """Take OUTPUT_DIR/.lock until exit or `unlock_output_dirs`; None, or why not. A lease (a marker file that a
+    thread refreshes), since fcntl/flock do not exclude across NFS clients: a dead holder's is taken over at once on
+    this host, from another host once unrefreshed for LOCK_LEASE_S; a holder paused longer can lose it."""
     folder = Path(output_dir).resolve()
     if folder in _locks:
         return None
@@ -121,7 +107,7 @@ def lock_output_dir(output_dir):
 
 
 def _is_zombie(pid):
-    """Whether process `pid` of this machine has exited but not been collected by its parent (Linux)."""
+    """Whether process `pid` has exited but not been collected by its parent (Linux)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):
@@ -137,19 +123,14 @@ def _lock_host_name():
     return host_name()
 
 
+@atexit.register
 def unlock_output_dirs():
-    """Release every run folder this process holds (at the end of a run, and at exit)."""
     while _locks:
         _locks.popitem()[1].release(force=True)
 
 
-atexit.register(unlock_output_dirs)
-
-
 def remove_leftovers(output_dir):
-    """What a killed or failed run left half-written (main process, holding the lock): temporary files and
-    folders of `write_atomically` and `save_checkpoint`, and probes, go; a folder that `publish` had moved aside
-    to `.NAME.old` goes back where NAME is missing."""
+    """Remove what a killed run left half-written, and put back what `publish` had moved aside (main process)."""
     output_dir, checkpoints = Path(output_dir), Path(output_dir) / "checkpoints"
     for path in [*output_dir.glob(".*"), *(checkpoints.glob(".*") if checkpoints.is_dir() else [])]:
         name = path.name[1:].removesuffix(".old")
@@ -160,9 +141,7 @@ def remove_leftovers(output_dir):
 
 
 def earlier_run(output_dir):
-    """The RUN_FILES in `output_dir`: a run was there (one whose first checkpoint was never written, when
-    `has_checkpoint` says no). A checkpoints/ folder without `latest` holds no checkpoint, only what a save
-    killed before the first one left."""
+    """The RUN_FILES in `output_dir`; a checkpoints/ folder without `latest` holds no checkpoint, only leftovers."""
     output_dir = Path(output_dir)
     return [name for name in RUN_FILES if (output_dir / name).exists()
             and (name != "checkpoints" or has_checkpoint(output_dir))]
@@ -173,13 +152,8 @@ def has_checkpoint(output_dir):
 
 
 def set_aside_earlier_run(output_dir, accelerator):
-    """Move an earlier run's outputs (an --overwrite) into output_dir/previous_run/, replacing an older one there.
-
-    Call it once everything the new run reads has been read and checked, before its first write: a run that
-    fails before this point leaves the earlier run as it was. previous_run/ is deleted when the new run saves
-    its first checkpoint (`remove_previous_run`), so a run that fails before that leaves it to recover from.
-    Files of ours only: whatever else the folder holds (a scheduler's log, notes) stays where it is.
-    """
+    """Call it once all inputs are read and checked: an earlier run's outputs (ours only) go into previous_run/,
+    deleted at the new run's first checkpoint, so a run that fails before then leaves it to recover from."""
     output_dir = Path(output_dir)
     earlier = earlier_run(output_dir)
     if accelerator.is_main_process and earlier:
@@ -201,8 +175,7 @@ def remove_previous_run(output_dir):
 
 
 def check_shared(output_dir, accelerator):
-    """Every process must see the main process's files: checkpoints hold each process's RNG state, and a node
-    that writes its share to a local disk makes a checkpoint that cannot resume the run."""
+    """Every process must see the main process's files: checkpoints hold each process's RNG state."""
     token = broadcast_object_list([uuid.uuid4().hex])[0]
     probe = output_dir / f".shared-check-{token}"
     if accelerator.is_main_process:
@@ -213,15 +186,13 @@ def check_shared(output_dir, accelerator):
         probe.unlink()
     if not all(seen):
         blind = [rank for rank, ok in enumerate(seen) if not ok]
-        raise UserError(
-            f"--output_dir {output_dir} is not shared between the machines: processes {blind} do not see the file "
-            "process 0 wrote there. Put --output_dir on a filesystem every node mounts (checkpoints hold every "
-            "process's state)."
-        )
+        raise UserError(f"--output_dir {output_dir} is not shared between the machines: processes {blind} do not "
+                        "see the file process 0 wrote there. Put --output_dir on a filesystem every node mounts "
+                        "(checkpoints hold every process's state).")
 
 
 def check_not_inside(output, inputs, *, flag):
-    """Refuse an output that is one of the inputs or lies inside an input folder (a dataset tree)."""
+    """Refuse an output that is one of the inputs or lies inside an input folder."""
     resolved = Path(output).resolve()
     for item in inputs:
         source = Path(item).resolve()
@@ -231,9 +202,8 @@ def check_not_inside(output, inputs, *, flag):
 
 
 def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False):
-    """Check, before any work, that a tool can write its output file `path`: the name ends in `suffix`, its
-    folder exists, it is not a folder and not one of `inputs`, and if it exists it is an earlier output of
-    the tool (`is_ours(path)`, `what` names it: "a CSV written by predict.py") or `overwrite` is set."""
+    """Check, before any work, that a tool can write `path`; an existing file must be `is_ours` (`what` names it:
+    "a CSV written by predict.py") unless `overwrite`."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"--output {path} is a folder: give a file name, e.g. {path / ('output' + suffix)}")
@@ -255,8 +225,7 @@ def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False
 # ---- the one writer ----
 
 class WriteFailed(UserError):
-    """A file or folder could not be written (a full disk, a quota, permissions); nothing half-written was left.
-    `fix` says what to do; a training run names its last complete checkpoint there."""
+    """A file or folder could not be written (a full disk, a quota, permissions); `fix` says what to do."""
 
     def __init__(self, path, reason, fix="Free some space (or choose another place) and run the command again."):
         super().__init__(path, reason)
@@ -268,10 +237,8 @@ class WriteFailed(UserError):
 
 
 def write_atomically(path, write):
-    """Write the file or folder `path` so that it is whole or absent, never half-written: `write(tmp)` writes it
-    under a temporary name beside it, which is flushed to disk and renamed over `path` (`publish`). Every file a
-    run or tool writes goes through here. A failure leaves `path` as it was and removes the temporary; one for lack
-    of space, quota or permission is a WriteFailed naming `path` and the free space."""
+    """Write the file or folder `path` whole or not at all: `write(tmp)` writes a temporary beside it, which
+    `publish` renames over `path`. Every file a run or tool writes goes through here."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")  # the suffix: savefig, np.save read it
     try:
@@ -284,10 +251,8 @@ def write_atomically(path, write):
 
 @contextmanager
 def failed_write_is_said(path):
-    """An error while writing `path` that the filesystem explains (no space, quota, permissions, a folder gone)
-    becomes a WriteFailed naming `path`, its reason and the free space there; any other error is raised as it is.
-    PyTorch's and safetensors' writers raise errors of their own that do not say why (`unexpected pos 704 vs
-    598`), so a small write next to `path` asks the filesystem."""
+    """An error the filesystem explains (no space, quota, permissions) becomes a WriteFailed. PyTorch's and
+    safetensors' errors do not say why (`unexpected pos 704 vs 598`), so a small write next to `path` asks."""
     try:
         yield
     except Exception as error:
@@ -298,12 +263,9 @@ def failed_write_is_said(path):
 
 
 def write_if_possible(path, write):
-    """write_atomically, or nothing where the folder cannot be written (read-only, full): for what only saves a
-    later run some time (the image-check records and decode caches beside the data)."""
-    try:
+    """write_atomically, or nothing where the folder cannot be written: for caches that only save time."""
+    with suppress(WriteFailed):
         write_atomically(path, write)
-    except WriteFailed:
-        pass
 
 
 def _probe_write(folder):
@@ -322,7 +284,7 @@ def _probe_write(folder):
 
 
 def _free_space(path):
-    """The free space on the filesystem of `path` (its nearest existing folder), e.g. '1.2 MB'."""
+    """The free space where `path` is (its nearest existing folder), e.g. '1.2 MB'."""
     folder = Path(path).absolute()
     while not folder.is_dir() and folder != folder.parent:
         folder = folder.parent
@@ -334,13 +296,8 @@ def _free_space(path):
 
 
 def publish(tmp, final):
-    """Put the complete file or folder `tmp` in the place of `final`: flushed to disk first, so that the rename
-    never publishes data still in memory, then renamed (atomic); the rename itself is flushed too.
-
-    A folder replaces an existing one by two renames (a folder cannot be renamed over a full one): a kill
-    between them leaves `final` missing and `.final.old` complete, which the next call, or `remove_leftovers`
-    at the start of the next run, puts back.
-    """
+    """Put the complete `tmp` in the place of `final`: flushed first, so that the atomic rename never publishes
+    data still in memory. A folder takes two renames; a kill between them leaves `.final.old`, which is put back."""
     old = final.with_name(f".{final.name}.old")
     _put_back(old, final)
     for item in [*tmp.rglob("*"), tmp] if tmp.is_dir() else [tmp]:
@@ -353,8 +310,6 @@ def publish(tmp, final):
 
 
 def _put_back(old, final):
-    """`publish`'s `.NAME.old` goes back to NAME where a kill between its two renames left NAME missing; else it
-    goes."""
     if old.exists() and not final.exists():
         os.replace(old, final)
     remove(old)
@@ -369,7 +324,6 @@ def _fsync(path):
 
 
 def remove(path):
-    """Delete a file or a folder tree, if it is there."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)

@@ -15,11 +15,8 @@
         run.save_checkpoint()
     run.finish(evaluation)
 
-TrainingRun counts and writes; it owns no model, optimizer or loss and calls no training code. Its state
-is its attributes (epoch, batch, step, best accuracy, the epoch's totals), changed only by its methods.
-Nothing waits for the device at every step: the host looks (nan watch, SIGTERM agreement, progress bar) in one
-small gather every CHECK_EVERY optimizer steps, or every LOOK_SECONDS of training when steps are slow, before
-every checkpoint and at the end of each epoch.
+TrainingRun counts and writes; it owns no model, optimizer or loss. Nothing waits for the device at every step:
+the host looks (nan watch, SIGTERM, progress bar) in one small gather every CHECK_EVERY steps or LOOK_SECONDS.
 """
 
 import functools
@@ -39,9 +36,8 @@ from .models import save_best_model
 from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, write_reports
 
-# tqdm's monitor thread exits when the last bar closes, which is when evaluation starts its DataLoader workers:
-# a fork at that moment can deadlock the child (CPython deletes the other threads' states after a fork), and
-# a seedlings run hung there. The monitor only tunes how often a slow bar redraws.
+# tqdm's monitor thread exits as evaluation forks its DataLoader workers, which can deadlock the child (a
+# seedlings run hung there); the monitor only tunes how often a slow bar redraws.
 tqdm.monitor_interval = 0
 CHECK_EVERY = 20  # optimizer steps between two looks at the device at most ...
 LOOK_SECONDS = 2.0  # ... and fewer when steps are slow: a SIGTERM is obeyed within about this much training
@@ -56,8 +52,7 @@ _signals_received = []
 
 
 def catch_sigterm():
-    """From now on SIGTERM (what Slurm and Kubernetes send before a kill; torchrun passes it on to every
-    process and gives them 30 s before a SIGKILL) only sets a flag, which TrainingRun reads at its next look."""
+    """SIGTERM (Slurm, Kubernetes; torchrun passes it on, then SIGKILLs 30 s later) now only sets a flag."""
     signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
 
 
@@ -80,8 +75,7 @@ def names_the_last_checkpoint(method):
 
 
 def count_steps(train_dataloader, *, epochs, grad_accum, max_steps, processes):
-    """The run's optimizer steps: each process's batches (a prepared DataLoader: after the sharding) in
-    `epochs`, `grad_accum` batches a step, at most `max_steps`. Refused when a process would have no batch."""
+    """The run's optimizer steps over a prepared (sharded) DataLoader; refused when a process would have no batch."""
     batches = len(train_dataloader)
     if batches == 0:
         images, batch_size = len(train_dataloader.dataset), train_dataloader.total_batch_size // processes
@@ -92,25 +86,21 @@ def count_steps(train_dataloader, *, epochs, grad_accum, max_steps, processes):
 
 
 def checkpoint_name(epoch, batch=None):
-    """epoch_002_batch_000120 inside epoch 2, epoch_002_end after its evaluation: the names sort in training
-    order, which is how old checkpoints are found."""
+    """epoch_002_batch_000120 inside epoch 2, epoch_002_end after it: the names sort in training order."""
     return f"epoch_{epoch:03d}_end" if batch is None else f"epoch_{epoch:03d}_batch_{batch:06d}"
 
 
 class TrainingRun:
-    """Where a run stands and what it has written: epochs, batches and optimizer steps, the epoch's running
-    totals, checkpoints (every `checkpoint_every` steps, each epoch, on SIGTERM; the newest
-    `keep_checkpoints` kept), metrics.jsonl, best/ and the final report. `model_info` (common.models.
-    describe_model) goes into every checkpoint and best/meta.json."""
+    """Where a run stands (epoch, batch, step, the epoch's totals) and what it writes: checkpoints, metrics.jsonl,
+    best/ and the final report. `model_info` (common.models.describe_model) goes into each checkpoint and best/."""
 
     def __init__(self, accelerator, output_dir, *, model_info, total_steps, checkpoint_every=None, keep_checkpoints=2):
         self.accelerator, self.output_dir = accelerator, Path(output_dir)
         self.model_info, self.total_steps = model_info, total_steps
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.epoch, self.batch, self.step, self.best_accuracy, self.best_epoch = 1, 0, 0, -1.0, 0
-        self.num_epochs = None  # set by epochs()
-        self.lr_scheduler = None
-        self.in_epoch = False  # between run.batches() and the end of its loop
+        self.num_epochs = self.lr_scheduler = None
+        self.in_epoch = False  # inside run.batches()'s loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
         self._totals = self._nonfinite = self._started = self._pace = self._loss = None
         self._stepped = False  # whether the batch last recorded made an optimizer step
@@ -124,8 +114,7 @@ class TrainingRun:
 
     @names_the_last_checkpoint
     def start(self, checkpoint, *, model, lr_scheduler):
-        """Continue from `checkpoint` (common.checkpoint.find_checkpoint; refused if it does not fit) or, for a
-        new run, set an earlier run in the output folder aside: everything the run reads has been read by now."""
+        """Continue from `checkpoint` (find_checkpoint's), or set an earlier run aside: all inputs are read by now."""
         accelerator = self.accelerator
         self.lr_scheduler = lr_scheduler
         if checkpoint is None:
@@ -149,8 +138,7 @@ class TrainingRun:
     # ---- the epoch loop ----
 
     def epochs(self, epochs, *, patience=None):
-        """The epochs left to train, from where the run starts; ends early at `total_steps` (--max_steps), or
-        when `patience` epochs have passed without a better validation accuracy (--patience)."""
+        """The epochs left to train; ends at `total_steps`, or after `patience` epochs without a better accuracy."""
         self.num_epochs = epochs
         while self.epoch <= epochs and not self.finished:
             yield self.epoch
@@ -162,9 +150,8 @@ class TrainingRun:
                 return
 
     def batches(self, train_dataloader):
-        """This process's batches of the epoch: the shuffle of (seed, epoch), a resumed epoch's trained part
-        skipped, a progress bar on the main process; stops at `total_steps`. When the loop is done it looks
-        for a nan/inf loss, before the epoch's evaluation, best/ and checkpoint."""
+        """This process's batches of the epoch, a resumed epoch's trained part skipped; stops at `total_steps`.
+        Its end looks for a nan/inf loss, before the epoch's evaluation, best/ and checkpoint."""
         train_dataloader.set_epoch(self.epoch)
         if hasattr(train_dataloader.dataset, "set_epoch"):  # a dataset that augments in its workers, seeded by epoch
             train_dataloader.dataset.set_epoch(self.epoch)
@@ -188,7 +175,7 @@ class TrainingRun:
         self.in_epoch = False
 
     def record(self, loss, batch):
-        """Add a trained batch to the epoch's totals and count it (call it after the step); waits for nothing."""
+        """Add a trained batch to the epoch's totals (after the step); waits for nothing."""
         totals, labels = self._totals, batch["label"]
         totals["loss_sum"] += loss.detach() * len(labels)
         totals["samples"] += len(labels)
@@ -200,9 +187,8 @@ class TrainingRun:
         self.step += self._stepped
 
     def checkpoint_due(self):
-        """Whether to checkpoint now, after `record` (every process asks): every `checkpoint_every` optimizer
-        steps, and at once after a SIGTERM on any process. Every CHECK_EVERY steps (sooner when steps are
-        slow) it looks at the device in one small gather, where a nan/inf loss stops the run (NonFiniteLoss)."""
+        """Every process asks, after `record`: every `checkpoint_every` steps, or after a SIGTERM on any process.
+        When it looks at the device (`_compare_notes`), a nan/inf loss raises NonFiniteLoss."""
         if not self._stepped:
             return False
         due = bool(self.checkpoint_every) and self.step % self.checkpoint_every == 0
@@ -215,8 +201,7 @@ class TrainingRun:
 
     @names_the_last_checkpoint
     def log_epoch(self, evaluation, ema_evaluation=None):
-        """The epoch's line in metrics.jsonl, the trackers and the console (every process calls it); with an
-        EMA of the weights, its evaluation too (`ema_val_*`)."""
+        """The epoch's line in metrics.jsonl, the trackers and the console (every process calls it)."""
         totals = self._global_totals()
         samples = sum(totals["samples_per_process"])
         record = {"epoch": self.epoch, "step": self.step, "train_loss": totals["loss_sum"] / max(1, samples),
@@ -234,8 +219,7 @@ class TrainingRun:
 
     @names_the_last_checkpoint
     def save_best(self, model, evaluation, *, weights="model"):
-        """Replace best/ when this validation accuracy is the best so far. Called for the trained weights and
-        for their EMA (`weights="ema"`), best/ holds the better of all; its meta.json says which."""
+        """Replace best/ on the best validation accuracy so far; for an EMA too (`weights="ema"`: meta.json says so)."""
         if evaluation["accuracy"] > self.best_accuracy:
             self.best_accuracy, self.best_epoch = evaluation["accuracy"], self.epoch
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
@@ -244,8 +228,7 @@ class TrainingRun:
 
     @names_the_last_checkpoint
     def save_checkpoint(self):
-        """Checkpoint where the run stands (inside the epoch, or after it); after a SIGTERM, stop the run
-        there with the command that continues it. Every process calls it."""
+        """Checkpoint where the run stands (every process calls it); after a SIGTERM, stop the run there."""
         stop = self._compare_notes()  # nothing diverged is saved; every process decides to stop at the same point
         if self.in_epoch:
             name, position = checkpoint_name(self.epoch, self.batch), (self.epoch, self.batch)
@@ -254,8 +237,7 @@ class TrainingRun:
             name, position, state = checkpoint_name(self.epoch), (self.epoch + 1, 0), {}
         state.update(epoch=position[0], batch=position[1], step=self.step, best_accuracy=self.best_accuracy,
                      best_epoch=self.best_epoch, lr_scheduler=self.lr_scheduler.state_dict(),
-                     num_processes=self.accelerator.num_processes,
-                     **self.model_info)
+                     num_processes=self.accelerator.num_processes, **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
         if stop:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
@@ -263,7 +245,7 @@ class TrainingRun:
             raise Interrupted(path)
 
     def load_best(self, model):
-        """The prepared `model` with best/'s weights, on every process: to score a test set with at the end."""
+        """The prepared `model` with best/'s weights, on every process (to score a test set)."""
         self.accelerator.wait_for_everyone()
         weights = load_file(self.output_dir / "best" / "model.safetensors")  # load_state_dict copies to the device
         self.accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(weights)
@@ -271,7 +253,7 @@ class TrainingRun:
 
     @names_the_last_checkpoint
     def finish(self, evaluation):
-        """The final reports from the last evaluation (main process), then close the trackers."""
+        """The final reports from the last evaluation, then close the trackers."""
         if self.accelerator.is_main_process:
             report = write_reports(self.output_dir, labels=evaluation["labels"],
                                    predictions=evaluation["predictions"], class_names=self.model_info["class_names"])
@@ -279,39 +261,34 @@ class TrainingRun:
             self.accelerator.print(f"outputs written to {self.output_dir}")
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
-        unlock_output_dirs()  # the run is written: another may take the folder (at exit it would be released anyway)
+        unlock_output_dirs()  # the run is written: another may take the folder
 
     # ---- inside ----
 
     def _compare_notes(self):
-        """The one collective of the bookkeeping: stop every process with NonFiniteLoss if any saw a nan/inf
-        loss; returns True on every process once any of them got SIGTERM, so that all stop at the same step."""
+        """The one collective of the bookkeeping: NonFiniteLoss if any process saw a nan/inf loss; True on every
+        process once any got SIGTERM, so that all stop at the same step."""
         device, now = self.accelerator.device, time.perf_counter()
         step_ms = 1000 * (now - self._last_look[1]) / max(1, self.step - self._last_look[0])
         mine = torch.tensor([-len(_signals_received), -int(step_ms)], device=device)
         seen = self.accelerator.gather(torch.cat([self._nonfinite[None], mine])[None]).min(0).values.tolist()
         nonfinite, signals, slowest_step_ms = seen[0], seen[1], -seen[2]
-        # the next look, the same on every process since all see the same numbers: in CHECK_EVERY steps, or
-        # sooner when that much training would take longer than LOOK_SECONDS
+        # the next look: the same on every process, since all see the same numbers
         self._next_look = self.step + max(1, min(CHECK_EVERY, int(1000 * LOOK_SECONDS / max(1, slowest_step_ms))))
         self._last_look = (self.step, now)
         if nonfinite != NO_STEP:
-            raise NonFiniteLoss(
-                f"the loss became nan or inf at optimizer step {nonfinite} (epoch {self.epoch}); training stopped "
-                "there and saved nothing after it, so the checkpoints and best/ hold only states from before. The "
-                "run diverged: start again with a lower --lr, --max_grad_norm (e.g. 1.0), or bf16 instead of fp16 "
-                "(a resumed run keeps its arguments, and would diverge the same way)."
-            )
+            raise NonFiniteLoss(f"the loss became nan or inf at optimizer step {nonfinite} (epoch {self.epoch}); "
+                                "training stopped there and saved nothing after it, so the checkpoints and best/ hold "
+                                "only states from before. The run diverged: start again with a lower --lr, "
+                                "--max_grad_norm (e.g. 1.0), or bf16 instead of fp16 (a resumed run keeps its "
+                                "arguments, and would diverge the same way).")
         if signals and not _signals_received:
             _signals_received.append(signal.SIGTERM)  # another process got it: this one stops too
         return signals < 0
 
     def _start_totals(self):
-        """This process's running loss sum, sample count and sample indices for the epoch.
-
-        A resumed epoch starts from the checkpoint's global totals: each process takes its own sample count,
-        and the main process carries the loss sum and the indices, so the final reduction counts them once.
-        """
+        """A resumed epoch starts from the checkpoint's global totals: each process takes its own sample count, and
+        the main process the loss sum and indices, so the final reduction counts them once."""
         device = self.accelerator.device
         self._totals = {"loss_sum": torch.zeros((), device=device), "samples": 0, "indices": []}
         self._nonfinite = torch.full((), NO_STEP, device=device)
@@ -325,19 +302,17 @@ class TrainingRun:
         self._next_look, self._last_look = self.step + 1, (self.step, self._started)  # the first step measures
 
     def _images_per_s(self):
-        """All processes, timed from this epoch's start: a resumed epoch's earlier part is not in it."""
+        """All processes, from this epoch's start (a resumed epoch's earlier part is not in it)."""
         elapsed = time.perf_counter() - self._started
         return (self._totals["samples"] - self._resumed_samples) * self.accelerator.num_processes / elapsed
 
     def _global_totals(self):
-        """The epoch's totals over all processes (a collective: every process calls it), as JSON-friendly numbers."""
+        """The epoch's totals over all processes (a collective), as JSON-friendly numbers."""
         accelerator, totals = self.accelerator, self._totals
         indices = (torch.cat(totals["indices"]) if totals["indices"]
                    else torch.zeros(0, dtype=torch.long, device=accelerator.device))
         seen = accelerator.gather(accelerator.pad_across_processes(indices, pad_index=-1))
-        return {
-            "loss_sum": accelerator.reduce(totals["loss_sum"].clone(), reduction="sum").item(),
-            "samples_per_process": accelerator.gather(
-                torch.tensor([totals["samples"]], device=accelerator.device)).tolist(),
-            "indices": seen[seen >= 0].unique().tolist(),  # sorted; the padding of the last batches repeats a few
-        }
+        samples = torch.tensor([totals["samples"]], device=accelerator.device)
+        return {"loss_sum": accelerator.reduce(totals["loss_sum"].clone(), reduction="sum").item(),
+                "samples_per_process": accelerator.gather(samples).tolist(),
+                "indices": seen[seen >= 0].unique().tolist()}  # sorted; the last batches' padding repeats a few
