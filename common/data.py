@@ -1,10 +1,5 @@
-"""Datasets that fit in memory (CIFAR-10, MNIST, Fashion-MNIST, scikit-learn digits).
-
-Each is a uint8 tensor (N, C, H, W). The DataLoader fetches a whole batch with one index operation
-(`__getitems__`): no per-sample decode, `ToTensor` or collate; `preprocess` crops, flips and normalises the
-batch on the device, per sample random. It is still a plain DataLoader, so `accelerator.prepare` shards it,
-seeds it and can skip batches.
-"""
+"""Datasets that fit in memory as a uint8 tensor (N, C, H, W) (common.cifar, common.mnist): a plain DataLoader
+fetches a whole batch with one index operation, and `preprocess` crops, flips and normalises it on the device."""
 
 import math
 
@@ -17,9 +12,8 @@ from .images import split_dataset
 
 
 class InMemoryDataset(torch.utils.data.Dataset):
-    """uint8 images (N, C, H, W) and int64 labels; batches come out as dicts with image, label and index.
-    `rows`: the row of `images` that holds each sample, where `images` holds more (a folder's memory-mapped
-    cache keeps a row for every file listed, unreadable ones included)."""
+    """uint8 images (N, C, H, W) and labels; batches are dicts of image, label and index. `rows`: each sample's row
+    of `images`, where it holds more (the decode cache keeps a row for every file, unreadable ones included)."""
 
     def __init__(self, images, labels, classes, *, rows=None):
         assert images.dtype == torch.uint8 and images.ndim == 4 and len(labels) == len(images if rows is None else rows)
@@ -50,8 +44,7 @@ class InMemoryDataset(torch.utils.data.Dataset):
 
 
 def hold_out(dataset, *, fraction, seed):
-    """(train, validation) InMemoryDatasets: a stratified share `fraction` of `dataset` set aside to choose
-    the best epoch on (--val_fraction), the same on every process and every run of that seed."""
+    """(train, validation): a stratified share `fraction` set aside (--val_fraction), the same for every seed."""
     train, val = split_dataset(dataset.labels.tolist(), val_fraction=fraction, seed=seed, classes=dataset.classes)
     return tuple(InMemoryDataset(dataset.images[part], dataset.labels[part], dataset.classes) for part in (train, val))
 
@@ -61,27 +54,17 @@ def _keep_as_is(batch):
 
 
 def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, sampler=None):
-    """A DataLoader over an InMemoryDataset; the batch is already built, so collation is the identity.
-    `sampler` (a ClassBalancedSampler) replaces the shuffle.
-
-    The loader gets a generator of its own: without one, starting each pass draws from the global RNG, which
-    the augmentation and dropout use, and a run resumed mid-epoch would no longer draw the same numbers.
-    (Accelerate's seedable sampler reseeds it from (seed, epoch) for the shuffle.)
-    With a GPU the batches are pinned, so that Accelerate's non-blocking copy (build_accelerator) does not
-    make the host wait for the device at every batch.
-    """
+    """A DataLoader whose batches the dataset builds. Its own generator: each pass would otherwise draw from the
+    global RNG, and a run resumed mid-epoch would augment differently. Pinned with a GPU, for non-blocking copies."""
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
                                        sampler=sampler, drop_last=drop_last, collate_fn=_keep_as_is,
                                        generator=torch.Generator(), pin_memory=torch.cuda.is_available())
 
 
 def preprocess(images, *, normalize, padding=0, flip=False, cutout=0, erasing=0.0):
-    """uint8 (N, C, H, W) on any device -> float normalised by `normalize` (mean, std: a value per channel); per
-    sample random: crop (zero padding) and flip,
-    then a Cutout square of side `cutout` (DeVries & Taylor 2017: its center anywhere in the image, so part
-    of it may fall outside) and, with probability `erasing`, a random erasing rectangle (Zhong et al. 2017, as
-    torchvision's RandomErasing: 2-33% of the area, aspect ratio 0.3-3.3). Erased pixels are 0 after
-    normalisation, the mean colour. No Python loop over the batch."""
+    """uint8 (N, C, H, W) -> float normalised by `normalize` (mean, std); per sample random: crop (zero padding),
+    flip, a Cutout square of side `cutout` (DeVries & Taylor 2017) and, with probability `erasing`, a rectangle
+    as torchvision's RandomErasing (2-33% of the area, aspect 0.3-3.3), erased to 0, the mean colour."""
     n, _, height, width = images.shape
     device = images.device
     if padding or flip:
@@ -114,14 +97,13 @@ def preprocess(images, *, normalize, padding=0, flip=False, cutout=0, erasing=0.
 
 
 def _erase(images, top, left, box_h, box_w):
-    """Zero each sample's rectangle [top, top + box_h) x [left, left + box_w) (clipped to the image)."""
+    """Zero each sample's rectangle [top, top + box_h) x [left, left + box_w), clipped to the image."""
     _, _, height, width = images.shape
     rows = torch.arange(height, device=images.device) - torch.as_tensor(top)[:, None]
     cols = torch.arange(width, device=images.device) - torch.as_tensor(left)[:, None]
     inside = ((rows >= 0) & (rows < torch.as_tensor(box_h).view(-1, 1)))[:, :, None] & (
         (cols >= 0) & (cols < torch.as_tensor(box_w).view(-1, 1)))[:, None, :]
     return images.masked_fill_(inside[:, None], 0.0)
-
 
 
 def download_dataset(name, root):
@@ -133,7 +115,6 @@ def download_dataset(name, root):
     except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError on a bad file
         raise UserError(f"--download: could not fetch {name} into {root} ({error}). Without internet (a compute "
                         "node), download it on a machine that has it and copy the files into --data_dir") from None
-
 
 
 def check_labels(labels, classes, *, source):

@@ -19,7 +19,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from .errors import UserError
 from .images import build_eval_transform, read_image
-from .outputs import write_if_possible
+from .outputs import publish, write_if_possible
 
 
 def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record=None):
@@ -160,7 +160,7 @@ def _decode_shared_out(files, decode, path, size, accelerator):
         bad, shares = _gather_lists(mine, len(rows))
         bad = list(dict(bad).items())  # several machines: each image decoded once on each
     if rank == 0:
-        os.replace(tmp, path)
+        publish(tmp, path)
     if accelerator:
         accelerator.wait_for_everyone()
     return bad, shares, _map(path)

@@ -1,11 +1,6 @@
-"""Class-folder image datasets read from files (Plant Seedlings, or your own photos).
-
-`root/<class>/<image>` is listed and split by common.images, and every image is decoded once up
-front so that a corrupt file stops the run at the start, by name, not hours in inside a worker.
-Training reads the files in DataLoader workers (random resized crop, flips, rotation) or, with
-`cache`, crops from images decoded and resized once into memory. Batches are uint8, like the
-in-memory datasets: normalisation (and mixup) happen on the device.
-"""
+"""Class-folder datasets read from files (Plant Seedlings, your own photos): decoded and augmented in DataLoader
+workers, or gathered from the decode cache and augmented on the device. Batches are uint8, like the in-memory
+datasets; normalisation happens on the device."""
 
 import atexit
 import json
@@ -47,11 +42,9 @@ def read_mean_std(path):
 
 
 def build_train_transform(image_size, auto_augment="none", *, geometry=True):
-    """Per-sample augmentation, PIL or uint8 tensor in, uint8 (3, S, S) tensor out: random resized crop,
-    horizontal and vertical flips, rotation (seedlings are photographed from above, so any orientation is a
-    real one), then torchvision's TrivialAugmentWide or RandAugment (default settings) if asked for. Without
-    `geometry` only the policy: the cached path does the rest on the device (common.data.random_resized_crop);
-    None when that leaves nothing to do per sample."""
+    """Per-sample augmentation, uint8 (3, S, S) out: random resized crop, both flips, rotation (seedlings are seen
+    from above: any orientation is real), then `auto_augment`. Without `geometry` only the policy (the cached path
+    does the rest on the device, `random_resized_crop`); None when nothing is left to do per sample."""
     from torchvision.transforms import v2  # imported here: the in-memory datasets do not need it
 
     policy = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}[auto_augment]
@@ -63,10 +56,8 @@ def build_train_transform(image_size, auto_augment="none", *, geometry=True):
 
 
 def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), degrees=30.0):
-    """The folder datasets' training augmentation on the device, for a batch at once: per sample a random
-    resized crop (`scale` of the area, aspect `ratio`), horizontal and vertical flips and a rotation of up to
-    `degrees`, as one affine map sampled bilinearly (affine_grid + grid_sample). uint8 or float (N, C, H, W)
-    in, float (N, C, size, size) on the 0-255 scale out, for `preprocess`; corners rotated in are black."""
+    """`build_train_transform`'s geometry on the device for a whole batch: per sample one affine map (crop, flips,
+    rotation) sampled bilinearly. float (N, C, size, size) on the 0-255 scale out, for `preprocess`."""
     n, device = len(images), images.device
     area = torch.empty(n, device=device).uniform_(*scale)
     aspect = torch.empty(n, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
@@ -84,15 +75,10 @@ def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3)
     return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
-
 def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None):
-    """An ImageFileDataset of a split's images (`find_splits`), each decoded once by `check_images` (shared out
-    among the `accelerator`'s processes, kept in ROOT/.checked-NAME.json); the unreadable ones, left out with
-    `skip_bad_images`, are in its `left_out`. `seed`: see ImageFileDataset.
-
-    With a cache and no `transform` (nothing to do per sample) an InMemoryDataset over the mapped cache
-    instead: each batch is one gather of its rows, in the training process, with no workers and no Python per
-    image, so that the CPU only copies bytes while the device augments."""
+    """An ImageFileDataset of a split (`find_splits`), its images checked once (`check_images`; the unreadable ones
+    in `left_out`). With a cache and no `transform`, an InMemoryDataset over the mapped cache instead: a batch is
+    one gather, no workers, no Python per image, so that the CPU only copies bytes while the device augments."""
     good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images,
                                     cache={"resize": cache_size, "center_crop": cache_size} if cache_size else None,
                                     accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
@@ -107,13 +93,10 @@ def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, 
 
 
 class ImageFileDataset(torch.utils.data.Dataset):
-    """Images from files, or from a uint8 cache (`cache`: the images and each file's row), transformed per sample;
-    items are dicts like InMemoryDataset's.
+    """Images from files, or from a cache (`cache`: the images and each file's row), transformed per sample.
 
-    With `seed`, each sample's random augmentation is drawn from a generator seeded by (seed, epoch, index):
-    a function of the sample alone, not of which DataLoader worker made it or when, so a run resumed in the
-    middle of an epoch augments exactly as the uninterrupted one. TrainingRun tells the epoch (`set_epoch`)
-    through shared memory, which the workers see.
+    With `seed` the augmentation is drawn from (seed, epoch, index), not from the worker that makes it, so a run
+    resumed mid-epoch augments as the uninterrupted one; the epoch reaches the workers through shared memory.
     """
 
     def __init__(self, files, labels, classes, *, transform, cache=None, seed=None):
@@ -126,7 +109,6 @@ class ImageFileDataset(torch.utils.data.Dataset):
         self.epoch.fill_(epoch)
 
     def relabelled(self, classes):
-        """This dataset with its labels numbered as `classes` (which hold all of its own), the same images."""
         to_new = [list(classes).index(name) for name in self.classes]
         return ImageFileDataset(self.files, [to_new[label] for label in self.labels.tolist()], classes,
                                 transform=self.transform, cache=(self.cache, self.cache_rows), seed=self.seed)
@@ -145,8 +127,7 @@ class ImageFileDataset(torch.utils.data.Dataset):
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """Unlabelled image files (predict.py, export.py), preprocessed in a DataLoader worker; an unreadable one
-    is named on stderr and comes out as a blank image with ok False."""
+    """Unlabelled image files (predict.py, export.py); an unreadable one is named and comes out blank, ok False."""
 
     def __init__(self, paths, *, transform, channels, image_size):
         self.paths, self.transform, self.channels, self.image_size = paths, transform, channels, image_size
@@ -164,11 +145,8 @@ class ImageFiles(torch.utils.data.Dataset):
 
 
 class ClassBalancedSampler(torch.utils.data.Sampler):
-    """As many indices per epoch as there are samples, each class drawn equally often (with replacement).
-
-    The draw depends on (seed, epoch) only, so every process draws the same order and Accelerate's sharding
-    splits it, and a resumed epoch skips into the very same order.
-    """
+    """Each class drawn equally often, with replacement; the order depends on (seed, epoch) only, so every process
+    draws the same one for Accelerate to shard, and a resumed epoch skips into it."""
 
     def __init__(self, labels, *, seed):
         labels = np.asarray(labels)
@@ -188,16 +166,14 @@ class ClassBalancedSampler(torch.utils.data.Sampler):
 
 
 def balanced_class_weights(labels, num_classes):
-    """Loss weights n / (num_classes * count): each class weighs as much in the loss as the others
-    (scikit-learn's "balanced")."""
+    """Loss weights n / (num_classes * count), scikit-learn's "balanced"."""
     counts = np.bincount(np.asarray(labels), minlength=num_classes)
     return torch.tensor(len(labels) / (num_classes * np.maximum(counts, 1)), dtype=torch.float32)
 
 
 def choose_num_workers(given=None):
-    """(DataLoader workers per process, how they were chosen): `given` (--num_workers), else the cores this
-    process may use shared among the processes of this machine, less one for the process itself, at least 1
-    and at most 8. More workers than cores only make them take turns (and on 2 cores halved the speed)."""
+    """(DataLoader workers per process, why): `given`, else this process's share of the machine's cores less one,
+    1 to 8. More workers than cores only take turns (on 2 cores, at half the speed)."""
     if given is not None:
         return given, "--num_workers"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -206,13 +182,8 @@ def choose_num_workers(given=None):
 
 
 def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=None, sampler=None):
-    """Workers decode and augment, each 4 batches ahead; pinned memory when there is a GPU; workers persist
-    across epochs. `num_workers` None: `choose_num_workers`. `sampler` (a ClassBalancedSampler) replaces the
-    shuffle. A dataset that gathers whole batches itself (build_folder_dataset's cache with nothing to do per
-    sample) gets common.data.build_dataloader's loader instead, without workers.
-
-    As for the in-memory loader, a generator of its own keeps the global RNG out of it.
-    """
+    """Persistent workers decode and augment, 4 batches ahead. A dataset that gathers whole batches itself gets
+    `build_dataloader`'s loader instead, without workers."""
     if hasattr(dataset, "__getitems__"):
         return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, sampler=sampler)
     num_workers = choose_num_workers(num_workers)[0]
@@ -224,16 +195,14 @@ def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_
 
 
 def _ignore_sigterm(worker_id):
-    """torchrun and Slurm send SIGTERM to the whole process group, workers included. A worker that died of it
-    would crash the training process before it could save; the training process decides when to stop, and
-    its workers end with it (`_stop_workers_at_exit`; a worker whose process was killed notices within 5 s)."""
+    """Slurm and torchrun signal the whole process group: a worker killed by SIGTERM would crash the training
+    process before it saves. The workers end with it (`_stop_workers_at_exit`)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _stop_workers_at_exit():
-    """At exit, multiprocessing stops the daemonic children with SIGTERM and waits for them: forever, for workers
-    that ignore it and that nothing has shut down yet (an error left their DataLoader in a traceback, or a
-    persistent one was still referenced). So every exit, after an error too, kills them first."""
+    """multiprocessing's exit handler SIGTERMs daemonic children and waits: forever, for workers that ignore it
+    and that nothing shut down (after an error, or a persistent loader still referenced). So kill them first."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would call a killed worker a failure
     for child in multiprocessing.active_children():
         if child.daemon:

@@ -1,6 +1,5 @@
-"""Image files, the ground floor both kinds of dataset stand on: listing class folders (and refusing what is not
-an image or a folder), finding images, the stratified train/val split, and reading a file as an RGB or grayscale
-PIL image."""
+"""Image files, the ground floor every dataset stands on: listing class folders, finding images, the stratified
+train/val split, reading and converting an image, and the evaluation preprocessing."""
 
 import errno
 import os
@@ -16,9 +15,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def list_image_folder(root):
-    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files.
-    An entry that is neither a file nor a folder (a broken link, a link loop, a FIFO, a socket, a device), which
-    reading could not use or would block on, is refused by name."""
+    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
@@ -42,8 +39,8 @@ def list_image_folder(root):
 
 
 def _entries(folder):
-    """(name, "file" or "dir") of a folder's entries that are not hidden; anything else is refused by name.
-    os.scandir: the type comes with the listing, no stat per file (a million files: seconds, not minutes)."""
+    """(name, "file" or "dir") of a folder's entries that are not hidden. os.scandir gives the type without a stat
+    per file (a million files: seconds, not minutes)."""
     found = []
     for entry in os.scandir(folder):
         if entry.name.startswith("."):
@@ -57,8 +54,8 @@ def _entries(folder):
 
 
 def _kind(path):
-    """"file" or "dir" for what `path` is or links to; anything else (a broken link, a link loop, a FIFO, a socket,
-    a device), which reading could not use or would block on, is refused by name."""
+    """"file" or "dir" for what `path` is or links to; anything else (a broken link, a loop, a FIFO, a device),
+    which reading could not use or would block on, is refused by name."""
     try:
         mode = os.stat(path).st_mode
     except OSError as error:
@@ -95,8 +92,8 @@ def find_images(inputs):
 
 
 def split_dataset(labels, *, val_fraction, seed, classes=None):
-    """Stratified (train, val) index lists: scikit-learn's train_test_split, as the seed's makedata.py, plus
-    stratify. Depends only on the sorted listing and the seed, so every rank and every run agree."""
+    """Stratified (train, val) index lists (scikit-learn's train_test_split, as the seed's makedata.py): they
+    depend only on the sorted listing and the seed, so every process and every run agree."""
     counts = np.bincount(labels)
     if counts.min() < 2:
         names = classes or [f"class {label}" for label in range(len(counts))]
@@ -116,7 +113,7 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
 
 
 def find_splits(data_dir, *, val_fraction, seed):
-    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`: each split a dict of its
+    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`; a split is a dict of
     "files", "labels", "classes", "name" (train, val) and "root" (`data_dir`)."""
     root = Path(data_dir)
     has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
@@ -150,13 +147,12 @@ def find_splits(data_dir, *, val_fraction, seed):
 
 
 def _is_split(folder):
-    """A train/, val/ or test/ folder of class folders (not a class that happens to be called "train")."""
+    """A folder of class folders (not a class that happens to be called "train")."""
     return folder.is_dir() and any(kind == "dir" for _, kind in _entries(folder))
 
 
 def read_image(path, *, channels=3):
-    """An image file as a PIL image in RGB (`channels` 3; RGBA, palette and grayscale files too) or grayscale (1),
-    through `convert_image`. Raises OSError or ValueError for a file that is not a readable image."""
+    """An image file as an RGB (`channels` 3) or grayscale PIL image; OSError or ValueError if unreadable."""
     try:
         with Image.open(path) as image:
             return convert_image(image, channels=channels)
@@ -165,8 +161,7 @@ def read_image(path, *, channels=3):
 
 
 def convert_image(image, *, channels=3):
-    """A PIL image in RGB or grayscale. 16-bit images (Pillow modes I;16 and I: grayscale PNGs, TIFFs) are
-    scaled to 8 bits, 65535 -> 255: Pillow's own convert clips them, and nearly every pixel turns white."""
+    """A PIL image in RGB or grayscale; 16-bit images are scaled to 8 bits (Pillow's convert clips them to white)."""
     if image.mode.startswith("I"):
         wide = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))
@@ -174,10 +169,8 @@ def convert_image(image, *, channels=3):
 
 
 def build_eval_transform(spec):
-    """The evaluation preprocessing a model description's "eval_transform" names (common.models.describe_model),
-    PIL image or uint8 tensor in, uint8 (C, H, W) tensor out: {"resize": S, "center_crop": [H, W]} resizes the
-    shorter side to S and crops the center (folder datasets); {"resize": [H, W]} resizes a PIL image to that size
-    with PIL's bilinear filter (the in-memory datasets)."""
+    """The evaluation preprocessing a model description's "eval_transform" names, uint8 (C, H, W) out:
+    {"resize": S, "center_crop": [H, W]} (folder datasets) or {"resize": [H, W]}, PIL's bilinear (in-memory ones)."""
     from torchvision.transforms import v2  # imported here: it takes a second, and training on tensors needs none
 
     if "center_crop" in spec:

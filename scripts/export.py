@@ -98,10 +98,9 @@ def main(args):
                                 dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
     output = Path(args.output)
     write_atomically(output, lambda tmp: program.save(str(tmp)))
-    description = {key: meta[key] for key in ("architecture", "model_kwargs", "class_names", "image_size",
-                                                "eval_transform", "mean", "std")}
-    description |= {"format": "onnx", "input": INPUT, "output": OUTPUT, "preprocessing": describe_preprocessing(meta),
-                    "source": {key: meta.get(key) for key in ("epoch", "metric", "value", "weights", "dataset")}}
+    # best/meta.json as it is (common.models.describe_model owns its fields), and how to feed the ONNX graph
+    description = meta | {"format": "onnx", "input": INPUT, "output": OUTPUT,
+                          "preprocessing": describe_preprocessing(meta)}
 
     images = ImageFiles(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
                         image_size=meta["image_size"])
