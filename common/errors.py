@@ -15,27 +15,20 @@ class UserError(Exception):
 
 
 class NothingToDo(Exception):
-    """The run asked for is already done (`--resume auto` on a finished run): said once, exit code 0, so that a
-    requeued job or a restarted launch ends instead of failing again."""
+    """The run asked for is already done (`--resume auto` on a finished run): exit code 0, so a requeued job ends."""
 
 
 class Interrupted(Exception):
     """The run saved a checkpoint and stopped because it was asked to (SIGTERM); the message is already printed."""
 
 
-# what gloo and NCCL say when a collective's peer is gone or silent (other timeouts, a DataLoader's say, stay
-# tracebacks: the error must also come from the process group)
+# what gloo and NCCL say when a collective's peer is gone or silent (the error must also come from the process group)
 PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 
 def run_main(main, args):
-    """Call `main(args)`; a UserError becomes one `error: ...` message (`exit_with_message`) and exit code 2, not a
-    traceback.
-
-    A run stopped by SIGTERM exits with 143, the code of a process killed by SIGTERM, so schedulers see
-    that it did not finish. A collective that timed out (--dist_timeout) or lost its peer is another
-    process's failure: it is said in one line, exit code 1.
-    """
+    """Call `main(args)`; a UserError becomes one `error: ...` line and exit code 2. A run stopped by SIGTERM exits
+    with 143, so schedulers see that it did not finish; a collective that lost its peer is one line, exit code 1."""
     try:
         return main(args)
     except UserError as error:
@@ -60,21 +53,15 @@ def run_main(main, args):
                           "Continue from the last checkpoint with --resume latest.", 1, consequence=True)
 
 
-# under torchrun, how long a process that may not be the first to fail on its machine waits before it reports:
-# the launcher needs the first one's exit (1-3 s of interpreter teardown, measured on CPU) to stop the others
+# under torchrun, how long a process that may not be the first to fail waits before it reports: the launcher
+# needs the first one's exit (1-3 s of interpreter teardown) to stop the others
 REPORT_GRACE_S = 10
 
 
 def exit_with_message(message, code, *, consequence=False):
-    """Show `message` once, then exit with `code`.
-
-    Under torchrun (`accelerate launch` with several processes) it goes into this process's
-    TORCHELASTIC_ERROR_FILE: the launcher's failure table, printed last, shows it as the process's
-    "traceback", so nothing is printed here (every process would print it). A process that is not local
-    rank 0, or whose failure follows another's (`consequence`), first waits REPORT_GRACE_S: when another
-    process on this machine failed first, the launcher stops this one (SIGTERM) and shows that one alone.
-    Anywhere else, or when the file cannot be written, the message goes to stderr.
-    """
+    """Show `message` once, then exit with `code`. Under torchrun it goes into TORCHELASTIC_ERROR_FILE, which the
+    launcher's failure table shows (printing would repeat it per process); elsewhere it goes to stderr. A process
+    not local rank 0, or failing as a `consequence`, first waits REPORT_GRACE_S, so the first failure shows alone."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         if consequence or os.environ.get("LOCAL_RANK", "0") != "0":

@@ -12,12 +12,8 @@ from .reporting import write_predictions, write_reports
 
 @torch.inference_mode()
 def evaluate(model, eval_dataloader, accelerator, *, transform, tta=False):
-    """Evaluate on every rank; `gather_for_metrics` per batch counts each sample exactly once.
-
-    Returns loss (plain cross entropy), accuracy, samples, and the gathered predictions, probabilities,
-    labels and sample indices (numpy, in dataset order for an unshuffled loader). `tta`: the probabilities
-    are the average of the image's and its horizontal mirror's.
-    """
+    """Loss (plain cross entropy), accuracy, macro-F1, samples, and the gathered predictions, probabilities, labels
+    and indices (numpy). `tta`: average the image's probabilities with its horizontal mirror's."""
     model.eval()
     _as_on_the_main_process(model, accelerator)
     losses, probabilities, labels, indices = [], [], [], []
@@ -27,8 +23,7 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta=False):
         if tta:
             probs = (probs + model(images.flip(3)).float().softmax(1)) / 2
         loss = F.nll_loss(probs.clamp_min(1e-12).log(), batch["label"], reduction="none")
-        # gather per batch: gather_for_metrics drops the duplicated padding samples, which exist only
-        # in the last batch, and only knows to do so while iterating that batch
+        # gather per batch: gather_for_metrics drops the padding only while iterating the last batch
         gathered = accelerator.gather_for_metrics((loss, probs, batch["label"], batch["index"]))
         for kept, tensor in zip((losses, probabilities, labels, indices), gathered):
             kept.append(tensor.cpu())
@@ -36,23 +31,16 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta=False):
     predictions = probabilities.argmax(1)
     from sklearn.metrics import f1_score  # imported here: a run needs scikit-learn only once it evaluates
 
-    return {
-        "loss": losses.mean().item(),
-        "accuracy": (predictions == labels).float().mean().item(),
-        "macro_f1": f1_score(labels, predictions, average="macro", labels=range(probabilities.shape[1]),
-                             zero_division=0),
-        "samples": len(labels),
-        "predictions": predictions.numpy(),
-        "probabilities": probabilities.numpy(),
-        "labels": labels.numpy(),
-        "indices": indices.numpy(),
-    }
+    return {"loss": losses.mean().item(), "accuracy": (predictions == labels).float().mean().item(),
+            "macro_f1": f1_score(labels, predictions, average="macro", labels=range(probabilities.shape[1]),
+                                 zero_division=0),
+            "samples": len(labels), "predictions": predictions.numpy(), "probabilities": probabilities.numpy(),
+            "labels": labels.numpy(), "indices": indices.numpy()}
 
 
 def report_evaluation(accelerator, evaluation, *, output_dir, class_names, files=None, name="test"):
-    """Write an `evaluate` result's classification_report.txt/.json, confusion_matrix.png and predictions.csv into
-    `output_dir` (main process) and print one line: scripts/evaluate.py's reports, and a training run's test set
-    scored once after --val_fraction chose its best/."""
+    """Write an `evaluate` result's classification report, confusion matrix and predictions.csv into `output_dir`,
+    and print one line: scripts/evaluate.py's reports, and a training run's test set."""
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
@@ -65,8 +53,7 @@ def report_evaluation(accelerator, evaluation, *, output_dir, class_names, files
 
 
 def _as_on_the_main_process(model, accelerator):
-    """A module outside DDP, such as an EMA of the weights, drifts apart between processes: each averages the
-    BatchNorm statistics of its own batches. Every process then evaluates the main process's copy, the one
-    that checkpoints and best/ keep. (DDP broadcasts its buffers itself at every forward.)"""
+    """A module outside DDP (an EMA) drifts apart between processes, each with its own BatchNorm statistics: every
+    process evaluates the main process's copy, the one checkpoints keep."""
     if accelerator.num_processes > 1 and not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):
-        broadcast([tensor for tensor in model.state_dict().values()], from_process=0)
+        broadcast(list(model.state_dict().values()), from_process=0)

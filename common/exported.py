@@ -1,8 +1,5 @@
-"""A model exported by scripts/export.py: FILE.onnx and its description FILE.json, run with onnxruntime.
-
-FILE.json holds what best/meta.json holds (classes, image size, mean/std, eval_transform, the architecture
-it came from) plus the input and output names, so predict.py treats an exported model like best/.
-"""
+"""A model exported by scripts/export.py: FILE.onnx, run with onnxruntime, and FILE.json, which holds what
+best/meta.json holds, so predict.py treats an exported model like best/."""
 
 from pathlib import Path
 
@@ -26,9 +23,9 @@ class OnnxModel(torch.nn.Module):
         try:
             import onnxruntime  # imported here: training does not need it
         except ImportError:
-            raise UserError(f"{path} is an ONNX model, which needs onnxruntime to run, and it is not installed: pip "
-                            "install -r requirements-export.txt, or pass the best/ folder it was exported from") from None
-
+            raise UserError(f"{path} is an ONNX model, which needs onnxruntime to run, and it is not installed: "
+                            "pip install -r requirements-export.txt, or pass the best/ folder it was "
+                            "exported from") from None
         try:
             self.session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as error:  # onnxruntime raises its own exception types for a bad file

@@ -1,8 +1,5 @@
-"""Command-line flags: one parser style for every script and tool, values checked when they are parsed.
-
-Every numeric flag has a `type=` from here, so `--lr nan`, `--seed -1` or `--batch_size 0` stop at parse
-time with one line naming the flag, its range and the value given, never as a PyTorch traceback later.
-"""
+"""Command-line flags: one parser style for every script and tool. Every numeric flag has a `type=` from here, so
+`--lr nan` or `--batch_size 0` stops at parse time with one line naming the flag, never as a traceback later."""
 
 import argparse
 import math
@@ -15,16 +12,15 @@ from .errors import UserError, exit_with_message
 
 
 class ParsedArgs(argparse.Namespace):
-    """argparse's result, which also knows the flags the command line typed (`typed`) and the runtime flags
-    (`runtime`, see ArgumentParser.add_runtime_argument); slots, so that vars(args), the run's arguments, leave
-    them out."""
+    """argparse's result, which also knows the flags typed (`typed`) and the runtime flags (`runtime`); slots, so
+    that vars(args), the run's arguments, leave them out."""
 
     __slots__ = ("typed", "runtime")
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (the full usage of a script with 30 flags would bury the message) that
-    records which flags were typed, so that a resumed run tells `--epochs 2` from the default 2."""
+    """argparse with a one-line error (a 30-flag usage would bury the message) that records which flags were
+    typed, so that a resumed run tells `--epochs 2` from the default 2."""
 
     raise_errors = False  # restore_args: a bad saved value is a UserError of its own, not an exit
 
@@ -37,8 +33,8 @@ class ArgumentParser(argparse.ArgumentParser):
     runtime_flags = frozenset()
 
     def add_runtime_argument(self, *args, **kwargs):
-        """A flag that says where a run lives, how it loads data, reports or how fast it computes, not what it
-        computes: a resumed run takes it from the command line, every other flag from its checkpoint."""
+        """A flag on where a run lives, how it loads data, reports or how fast it runs, not on what it computes: a
+        resumed run takes it from the command line, every other flag from its checkpoint."""
         action = self.add_argument(*args, **kwargs)
         self.runtime_flags = self.runtime_flags | {action.dest}
         return action
@@ -51,8 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return parsed, extras
 
     def _typed(self, args):
-        """The flags `args` gives a value: parsed again with no defaults, what is left was typed (abbreviations,
-        --flag=value and --no-flag included, as argparse reads them)."""
+        """Parsed again with no defaults, what is left was typed (abbreviations and --flag=value included)."""
         saved = self._defaults, {action: action.default for action in self._actions}
         self._defaults = {}
         for action in self._actions:
@@ -95,7 +90,7 @@ seed = number(int, min=0, max=2**32 - 1)  # what numpy's and torch's generators 
 
 
 def path(text):
-    """An argparse `type` for a file or folder: not empty (`--output_dir ""` would be the current folder)."""
+    """An argparse `type` for a path: not empty (`--output_dir ""` would be the current folder)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a path")
     return text
@@ -114,23 +109,22 @@ def device(text):
 
 
 def add_common_args(parser):
-    """The flags every training script has. Each script sets its recipe's defaults with `parser.set_defaults`
-    (output_dir, epochs, batch_size, weight_decay, label_smoothing, schedule), so they stay visible there.
-    The runtime ones (add_runtime_argument) may change when a run is resumed."""
+    """The flags every training script has; each script sets its recipe's defaults (`parser.set_defaults`), so they
+    stay visible there. The runtime ones may change when a run is resumed."""
     parser.add_runtime_argument("--data_dir", type=path, default="data", help="dataset location (default: %(default)s)")
     parser.add_runtime_argument("--download", action="store_true", help="fetch the dataset into --data_dir if missing")
     parser.add_runtime_argument("--output_dir", type=path, default=None, help="run folder (default: %(default)s)")
     parser.add_runtime_argument("--overwrite", action="store_true",
-                        help="replace an earlier run in --output_dir (it is kept in previous_run/ until this run's "
-                             "first checkpoint)")
+                                help="replace an earlier run in --output_dir (it is kept in previous_run/ until this "
+                                     "run's first checkpoint)")
     parser.add_runtime_argument("--resume", type=path, default=None, metavar="latest|auto|PATH",
-                        help="continue a run: `latest` (the newest checkpoint in --output_dir), a checkpoint folder, "
-                             "or `auto`: continue when --output_dir holds a checkpoint of this very command, start "
-                             "when it holds none (for launcher restarts and requeued jobs)")
+                                help="continue a run: `latest` (the newest checkpoint in --output_dir), a checkpoint "
+                                     "folder, or `auto`: continue when --output_dir holds a checkpoint of this very "
+                                     "command, start when it holds none (for launcher restarts and requeued jobs)")
     parser.add_runtime_argument("--checkpoint_every", type=positive_int, default=None, metavar="N",
-                        help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
+                                help="also checkpoint every N optimizer steps (default: at the end of each epoch only)")
     parser.add_runtime_argument("--keep_checkpoints", type=positive_int, default=2, metavar="K",
-                        help="keep the newest K checkpoints (default: %(default)s)")
+                                help="keep the newest K checkpoints (default: %(default)s)")
     parser.add_argument("--epochs", type=positive_int, default=None, help="default: %(default)s")
     parser.add_argument("--batch_size", type=positive_int, default=None, help="per process (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=None,
@@ -150,25 +144,26 @@ def add_common_args(parser):
     parser.add_argument("--max_grad_norm", type=positive_float, default=None,
                         help="clip gradients to this norm (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="override the accelerate config's setting; without a config: bf16 where the "
-                             "device computes it natively (GPUs since Ampere, CPUs with AVX-512 BF16 or AMX), else no")
+                        help="override the accelerate config's setting; without a config: bf16 where the device "
+                             "computes it natively (GPUs since Ampere, CPUs with AVX-512 BF16 or AMX), else no")
     parser.add_runtime_argument("--channels_last", action="store_true",
-                        help="keep the model in channels-last memory format (faster convolutions with bf16/fp16 on GPUs)")
+                                help="keep the model in channels-last memory format (faster convolutions with "
+                                     "bf16/fp16 on GPUs)")
     parser.add_runtime_argument("--compile", action="store_true",
-                        help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at the start)")
+                                help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at "
+                                     "the start)")
     parser.add_argument("--max_steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (smoke runs)")
     parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")
     parser.add_runtime_argument("--dist_timeout", type=number(float, min=0, max=7 * 24 * 3600, min_open=True),
-                                default=600,
-                        metavar="SECONDS",
-                        help="a collective that waits longer (a hung or lost process) ends the job (default: %(default)s)")
+                                default=600, metavar="SECONDS", help="a collective that waits longer (a hung or lost "
+                                                                     "process) ends the job (default: %(default)s)")
     parser.add_runtime_argument("--report_to", choices=["none", "tensorboard", "wandb", "all"], default="none",
-                        help="experiment tracker through Accelerate (default: %(default)s)")
+                                help="experiment tracker through Accelerate (default: %(default)s)")
 
 
 def check_args(args):
-    """The checks that concern several flags at once (each flag's own range is checked by its `type`)."""
+    """The checks that concern several flags at once."""
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --output_dir and --overwrite replaces it: pass one of them")
     logs = Path(args.output_dir) / "logs"

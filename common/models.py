@@ -18,12 +18,8 @@ from .reporting import write_predictions
 
 
 def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None):
-    """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`).
-
-    `channels_last` stores the weights as NHWC; the convolutions then run (and return) NHWC whatever the
-    input's layout, which is what the tensor cores want under bf16/fp16. `image_size` (a training run's): a
-    timm model is checked to take images of that size (`check_image_size`).
-    """
+    """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`). `channels_last`: NHWC weights,
+    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`."""
     if name == "resnet18_cifar":
         model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans)
     elif name == "mnist_convnet":
@@ -32,7 +28,8 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
         import timm  # imported here: the two models above do not need it
 
         if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
-            raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as resnet50")
+            raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as "
+                            "resnet50")
         model = timm.create_model(name, num_classes=num_classes, in_chans=in_chans)
         if image_size:
             check_image_size(model, name, in_chans=in_chans, image_size=image_size)
@@ -40,9 +37,8 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
 
 
 def check_image_size(model, name, *, in_chans, image_size):
-    """One forward of a blank image of `image_size` (evaluation mode, no gradients: nothing changes), so that a model
-    made for another size (a ViT or a Swin for 224 x 224) or too small an image stops here in one line, not in
-    the first training step with timm's assertion."""
+    """One forward of a blank image, so that a model made for another size (a ViT for 224 x 224) or too small an
+    image stops here in one line, not in the first training step with timm's assertion."""
     training, size = model.training, tuple(model.pretrained_cfg.get("input_size", (in_chans, 224, 224))[1:])
     try:
         with torch.no_grad():
@@ -60,9 +56,8 @@ def check_image_size(model, name, *, in_chans, image_size):
 
 
 def build_ema(model, accelerator, *, decay):
-    """timm's exponential moving average of `model`'s weights (ModelEmaV3, with its warmup), prepared in
-    evaluation mode so that `save_state` keeps it (model_1.safetensors) and `evaluate` can score it. timm is
-    imported here: the CIFAR and MNIST runs need it only for this, and it takes a second to import."""
+    """timm's EMA of `model`'s weights (ModelEmaV3, with warmup), prepared so that `save_state` keeps it
+    (model_1.safetensors). timm is imported here: CIFAR and MNIST runs need it only for this."""
     from timm.utils import ModelEmaV3
 
     ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=decay, use_warmup=True)
@@ -72,14 +67,9 @@ def build_ema(model, accelerator, *, decay):
 # ---- what a trained model is: written into best/meta.json and every checkpoint, read by every tool ----
 
 def describe_model(architecture, classes, *, image_size, normalize, dataset, arguments):
-    """What best/meta.json and every checkpoint say of a model: how to build it (`build_model` arguments), its
-    classes, its evaluation preprocessing (`normalize`: mean and std, one value per channel) so that predict.py
-    and evaluation redo it exactly, the dataset layout evaluate.py reads by default (cifar10, mnist,
-    fashion_mnist, digits or folder) and the run's `arguments` (args_to_dict).
-
-    `eval_transform` (built by common.folders.build_eval_transform): the folder datasets resize the shorter side
-    to `resize_size` and crop the center; the in-memory ones, decoded at the model's size, resize to it.
-    """
+    """What best/meta.json and every checkpoint say of a model: its `build_model` arguments, classes, evaluation
+    preprocessing (`normalize`: (mean, std) per channel), `dataset` (cifar10, mnist, fashion_mnist, digits or
+    folder) and the run's `arguments`. Folder datasets resize the short side to `resize_size`, then crop the center."""
     (mean, std), image_size = normalize, list(image_size)
     return {"architecture": architecture, "model_kwargs": {"num_classes": len(classes), "in_chans": len(mean)},
             "class_names": list(classes), "image_size": image_size,
@@ -94,8 +84,7 @@ def resize_size(image_size):
 
 
 def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
-    """Replace best/ as a whole: model.safetensors, meta.json (architecture, model_kwargs, classes,
-    preprocessing, epoch, metric, arguments) and val_predictions.csv (this evaluation, per image)."""
+    """Replace best/ as a whole: model.safetensors, meta.json and val_predictions.csv (this evaluation)."""
     # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if not accelerator.is_main_process:
@@ -112,8 +101,8 @@ def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
 
 
 def load_best_model(model_dir):
-    """(model in eval mode, meta) from a best/ folder, a run's output folder (its best/) or a checkpoint (its
-    trainer_state.json describes the model as meta.json does); every way it can be wrong is a UserError."""
+    """(model in eval mode, meta) from a best/ folder, a run's folder or a checkpoint (its trainer_state.json);
+    every way it can be wrong is a UserError."""
     model_dir = Path(model_dir)
     if not (model_dir / "meta.json").exists() and (model_dir / "best" / "meta.json").is_file():
         model_dir = model_dir / "best"
@@ -143,8 +132,8 @@ def read_json(path, *, check):
 
 
 def read_description(path):
-    """(the model description in the JSON file `path`, what is wrong with it or None): a best/meta.json, a
-    checkpoint's trainer_state.json or export.py's description, those written before a field existed included."""
+    """(the model description in `path`, what is wrong with it or None): a best/meta.json, a trainer_state.json or
+    export.py's description, older ones included."""
     meta, problem = read_json(path, check=lambda data: None if isinstance(data, dict) else "not a JSON object")
     if problem:
         return meta, problem
@@ -156,7 +145,6 @@ def read_description(path):
 
 
 def _check_description(meta):
-    """What is wrong with a model description, or None: every field predict.py and evaluation use."""
     kwargs, classes = meta.get("model_kwargs"), meta.get("class_names")
     if not isinstance(meta.get("architecture"), str):
         return f"'architecture' is {meta.get('architecture')!r}"
@@ -204,12 +192,8 @@ def check_weights(model, weights_path, *, expected):
 
 
 def load_pretrained(model, name, source):
-    """Load ImageNet weights into a freshly built timm `model`; returns a line saying what was loaded.
-
-    `source` is a weights file (safetensors, or a PyTorch state dict read with weights_only=True) or
-    `hub` (timm's own download: needs the network). Tensors whose shape differs, the classifier of
-    another class count, are left out and named.
-    """
+    """Load ImageNet weights into a fresh timm `model` from `source`, a weights file (safetensors or a state dict)
+    or `hub` (timm's download); tensors whose shape differs (the classifier) are left out. Returns a line to print."""
     if source == "hub":
         import timm
 
@@ -225,8 +209,6 @@ def load_pretrained(model, name, source):
                             "state dict), `hub` to download when online, or leave --pretrained out")
         try:
             if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
                 state_dict = load_file(path)
             else:
                 state_dict = torch.load(path, map_location="cpu", weights_only=True)
@@ -260,26 +242,13 @@ def build_resnet18_cifar(*, num_classes=10, in_chans=3):
 
 
 def build_mnist_convnet(*, num_classes=10, in_chans=1):
-    """The Keras convnet of the seed post, layer for layer.
-
-    Its `Rescaling(1/255)` is `common.data.preprocess` with mean 0 and std 1. Keras "same" padding for
-    the last conv (6x6, stride 2) is 2 on each side for the even sizes it sees (12x12 from 28x28
-    MNIST, 2x2 from 8x8 digits).
-    """
+    """The Keras convnet of the seed post, layer for layer (its `Rescaling(1/255)` is normalizing with mean 0, std 1).
+    Keras "same" padding for the last conv is 2 on each side for the even sizes it sees (12x12, 2x2)."""
     return nn.Sequential(
-        nn.Conv2d(in_chans, 12, kernel_size=3, padding="same", bias=False),
-        nn.BatchNorm2d(12),
-        nn.ReLU(),
-        nn.Conv2d(12, 24, kernel_size=6, stride=2, bias=False),
-        nn.BatchNorm2d(24),
-        nn.ReLU(),
-        nn.Conv2d(24, 32, kernel_size=6, stride=2, padding=2),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(32, 256),
-        nn.ReLU(),
-        nn.Dropout(0.5),
+        nn.Conv2d(in_chans, 12, kernel_size=3, padding="same", bias=False), nn.BatchNorm2d(12), nn.ReLU(),
+        nn.Conv2d(12, 24, kernel_size=6, stride=2, bias=False), nn.BatchNorm2d(24), nn.ReLU(),
+        nn.Conv2d(24, 32, kernel_size=6, stride=2, padding=2), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.5),
         nn.Linear(256, num_classes),
     )

@@ -18,13 +18,8 @@ def _schedule_factor(step, *, schedule, total_steps, warmup_steps, min_lr_ratio)
 
 
 def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0, min_lr_ratio=0.0):
-    """A per-optimizer-step schedule: `onecycle` (linear up, linear down), `cosine` (warmup, then cosine down
-    to `min_lr_ratio` x the peak) or `constant`.
-
-    Built on the number of optimizer steps this process takes and stepped by the script only when
-    gradients sync, so it is not passed through `accelerator.prepare` (which would step it once per
-    process); TrainingRun keeps its state in the checkpoint's trainer_state.json.
-    """
+    """`onecycle` (linear up, linear down), `cosine` (warmup, then down to `min_lr_ratio` x the peak) or `constant`.
+    Stepped by the script when gradients sync, not through `accelerator.prepare` (which steps it once per process)."""
     warmup_steps = int(warmup_fraction * total_steps)
     factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps,
                      min_lr_ratio=min_lr_ratio)
@@ -32,13 +27,8 @@ def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0,
 
 
 def scale_lr(lr, *, base_lr, base_batch, global_batch, rule):
-    """(the peak LR of the run, a line that says where it comes from).
-
-    `lr` (--lr) is used as given. Without it, the recipe's `base_lr`, tuned at a global batch of `base_batch`,
-    follows this run's `global_batch`: in proportion (`rule="linear"`, for SGD) or by the square root
-    (`"sqrt"`, for Adam/AdamW), the rules timm applies with --lr-base and --lr-base-size. So going from one
-    process to sixteen keeps the recipe instead of silently changing it.
-    """
+    """(the run's peak LR, a line saying where it comes from): `lr` as given, else the recipe's `base_lr` (tuned at
+    `base_batch`) scaled to `global_batch` as timm does: `rule` "linear" (SGD) or "sqrt" (Adam/AdamW)."""
     if lr is not None:
         return lr, f"lr {lr:g} (--lr, as given)"
     ratio = global_batch / base_batch

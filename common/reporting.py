@@ -1,4 +1,5 @@
-"""What a run writes: metrics.jsonl, the per-epoch summary line, trackers, the classification report, plots."""
+"""What a run writes: metrics.jsonl, the per-epoch summary line, trackers, the classification report, plots.
+matplotlib and scikit-learn are imported where the reports are written: a run needs them only at its end."""
 
 import csv
 import json
@@ -8,14 +9,12 @@ import numpy as np
 
 from .outputs import write_atomically
 
-# matplotlib and scikit-learn are imported where the reports are written: a run needs them only at its end
-
 
 def describe_launch(accelerator, *, batch_size, grad_accum):
     """One line on how the run is distributed, with the global batch size."""
     global_batch = batch_size * accelerator.num_processes * grad_accum
-    return (f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}, "
-            f"mixed precision {accelerator.mixed_precision}; global batch {global_batch} "
+    return (f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+            f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {global_batch} "
             f"= {batch_size} per process x {accelerator.num_processes} processes x {grad_accum} accumulation steps")
 
 
@@ -35,13 +34,12 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
 
 
 def truncate_metrics(output_dir, *, before_epoch):
-    """Keep the lines of the epochs before `before_epoch`: a run resumed from an older checkpoint writes the
-    later ones again."""
+    """Keep the epochs before `before_epoch`: a run resumed from an older checkpoint writes the later ones again."""
     write_metrics(output_dir, [record for record in read_metrics(output_dir) if record["epoch"] < before_epoch])
 
 
 def write_metrics(output_dir, records):
-    """metrics.jsonl rewritten whole (a line per epoch: small), never a half-written line after a kill or a full disk."""
+    """metrics.jsonl rewritten whole (a line per epoch), never a half-written line after a kill or a full disk."""
     write_atomically(Path(output_dir) / "metrics.jsonl",
                      lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in records)))
 
@@ -52,8 +50,7 @@ def read_metrics(output_dir):
 
 
 def write_predictions(path, evaluation, *, class_names, files=None):
-    """One row per evaluated image (common.evaluation.evaluate): index in the dataset, the image file when
-    there are files, its label, the predicted class and its probability."""
+    """One row per evaluated image: index, file (when there are files), label, predicted class, its probability."""
     def write(tmp):
         with open(tmp, "w", newline="") as f:
             writer = csv.writer(f)
@@ -67,8 +64,7 @@ def write_predictions(path, evaluation, *, class_names, files=None):
 
 
 def write_reports(output_dir, *, labels, predictions, class_names, curves=True):
-    """classification_report.txt/.json, confusion_matrix.png and (with `curves`, from metrics.jsonl)
-    curves.png; returns the text report."""
+    """classification_report.txt/.json, confusion_matrix.png and (`curves`) curves.png; returns the text report."""
     from sklearn.metrics import classification_report, confusion_matrix
 
     output_dir = Path(output_dir)
@@ -77,7 +73,8 @@ def write_reports(output_dir, *, labels, predictions, class_names, curves=True):
     text = classification_report(labels, predictions, **kwargs)
     write_atomically(output_dir / "classification_report.txt", lambda tmp: tmp.write_text(text))
     report = classification_report(labels, predictions, output_dict=True, **kwargs)
-    write_atomically(output_dir / "classification_report.json", lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+    write_atomically(output_dir / "classification_report.json",
+                     lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
     plot_confusion_matrix(output_dir / "confusion_matrix.png",
                           confusion_matrix(labels, predictions, labels=label_ids), class_names)
     if curves:
@@ -103,8 +100,7 @@ def plot_confusion_matrix(path, matrix, class_names):
     ticks = np.arange(len(class_names))
     ax.set_xticks(ticks, class_names, rotation=45, ha="right")
     ax.set_yticks(ticks, class_names)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
+    ax.set(xlabel="predicted", ylabel="true")
     threshold = matrix.max() / 2 if matrix.size else 0
     for i, j in np.ndindex(matrix.shape):
         ax.text(j, i, str(matrix[i, j]), ha="center", va="center", fontsize=8,
