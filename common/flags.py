@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, exit_with_message
+from .optim import SCHEDULES
 
 
 class ParsedArgs(argparse.Namespace):
@@ -133,7 +134,7 @@ def add_common_args(parser):
     parser.add_argument("--weight_decay", type=nonnegative_float, default=None, help="default: %(default)s")
     parser.add_argument("--label_smoothing", type=number(float, min=0, max=1, max_open=True), default=None,
                         help="default: %(default)s")
-    parser.add_argument("--schedule", choices=["onecycle", "cosine", "constant"], default=None,
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default=None,
                         help="LR schedule, stepped per optimizer step (default: %(default)s)")
     parser.add_argument("--warmup_fraction", type=number(float, min=0, max=1, max_open=True), default=0.2,
                         help="share of the steps spent warming up (onecycle, cosine; default: %(default)s)")

@@ -6,22 +6,28 @@ from functools import partial
 import torch
 
 
-def _schedule_factor(step, *, schedule, total_steps, warmup_steps, min_lr_ratio):
-    if schedule == "constant":
-        return 1.0
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "onecycle":  # linear warmup, then linear decay to zero
-        return 1.0 - progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+def _after_warmup(decay):
+    """A schedule that warms up linearly, then follows `decay(progress, min_lr_ratio)`, progress from 0 to 1."""
+    def factor(step, *, total_steps, warmup_steps, min_lr_ratio):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return decay(min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)), min_lr_ratio)
+
+    return factor
+
+
+# the factor of the peak LR at each optimizer step, by name (--schedule offers these)
+SCHEDULES = {
+    "onecycle": _after_warmup(lambda progress, floor: 1.0 - progress),  # linear decay to zero
+    "cosine": _after_warmup(lambda progress, floor: floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))),
+    "constant": lambda step, **_: 1.0,  # no warmup either
+}
 
 
 def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0, min_lr_ratio=0.0):
-    """`onecycle` (linear up, linear down), `cosine` (warmup, then down to `min_lr_ratio` x the peak) or `constant`.
-    Stepped by the script when gradients sync, not through `accelerator.prepare` (which steps it once per process)."""
-    warmup_steps = int(warmup_fraction * total_steps)
-    factor = partial(_schedule_factor, schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps,
+    """One of SCHEDULES (`min_lr_ratio`: cosine's floor, times the peak), stepped by the script when gradients sync,
+    not through `accelerator.prepare` (which steps it once per process)."""
+    factor = partial(SCHEDULES[schedule], total_steps=total_steps, warmup_steps=int(warmup_fraction * total_steps),
                      min_lr_ratio=min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
