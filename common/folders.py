@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .data import InMemoryDataset, build_dataloader
 from .decode_cache import check_images
 from .errors import UserError
-from .images import read_image
+from .images import check_classes, folder_entries, list_image_folder, read_image, split_dataset
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -73,6 +73,45 @@ def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3)
                          torch.stack([height * flip_y * sin, height * flip_y * cos, center_y], 1)], 1)
     grid = F.affine_grid(theta, (n, images.shape[1], size, size), align_corners=False)
     return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def find_splits(data_dir, *, val_fraction, seed):
+    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`; a split is a dict of
+    "files", "labels", "classes", "name" (train, val) and "root" (`data_dir`)."""
+    root = Path(data_dir)
+    has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
+    if has_train and not has_val and has_test:
+        raise UserError(f"{root} has train/ and test/: the folder that chooses the best model must be called val/ "
+                        f"(rename {root / 'test'} to {root / 'val'}), or pass --data_dir {root / 'train'} to split "
+                        "the training images here")
+    if has_train != has_val:
+        have, lack = ("train", "val") if has_train else ("val", "train")
+        raise UserError(f"{root} has {have}/ but no {lack}/: add {root / lack}/<class>/<image>, "
+                        + (f"or pass --data_dir {root / 'train'} to split the training images here (--val_fraction)"
+                           if has_train else f"or put the training images in {root / 'train'}/<class>/"))
+    if has_train:
+        train_files, train_labels, classes, skipped = list_image_folder(root / "train")
+        val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
+        if val_classes != classes:
+            only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
+            raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
+                            f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
+        check_classes(classes, root / "train")
+        splits, skipped = {"train": (train_files, train_labels), "val": (val_files, val_labels)}, skipped + val_skipped
+    else:
+        files, labels, classes, skipped = list_image_folder(root)
+        check_classes(classes, root)
+        parts = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
+        splits = {name: ([files[i] for i in part], [labels[i] for i in part]) for name, part in zip(("train", "val"),
+                                                                                                   parts)}
+    train, val = ({"files": files, "labels": labels, "classes": classes, "name": name, "root": root}
+                  for name, (files, labels) in splits.items())
+    return train, val, classes, skipped
+
+
+def _is_split(folder):
+    """A folder of class folders (not a class that happens to be called "train")."""
+    return folder.is_dir() and any(kind == "dir" for _, kind in folder_entries(folder))
 
 
 def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None):

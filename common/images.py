@@ -20,12 +20,12 @@ def list_image_folder(root):
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
                         f"folders, {root}/<class>/<image>.png")
-    classes = sorted(name for name, kind in _entries(root) if kind == "dir")
+    classes = sorted(name for name, kind in folder_entries(root) if kind == "dir")
     if not classes:
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
     files, labels, skipped = [], [], []
     for label, name in enumerate(classes):
-        listed = sorted(_entries(root / name))
+        listed = sorted(folder_entries(root / name))
         entries = [root / name / entry for entry, kind in listed if kind == "file"]
         images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
         if not images:
@@ -38,7 +38,7 @@ def list_image_folder(root):
     return files, labels, classes, skipped
 
 
-def _entries(folder):
+def folder_entries(folder):
     """(name, "file" or "dir") of a folder's entries that are not hidden. os.scandir gives the type without a stat
     per file (a million files: seconds, not minutes)."""
     found = []
@@ -46,14 +46,14 @@ def _entries(folder):
         if entry.name.startswith("."):
             continue
         try:
-            kind = "file" if entry.is_file() else "dir" if entry.is_dir() else _kind(entry.path)
+            kind = "file" if entry.is_file() else "dir" if entry.is_dir() else entry_kind(entry.path)
         except OSError:  # is_file() follows links, and raises on a loop
-            kind = _kind(entry.path)
+            kind = entry_kind(entry.path)
         found.append((entry.name, kind))
     return found
 
 
-def _kind(path):
+def entry_kind(path):
     """"file" or "dir" for what `path` is or links to; anything else (a broken link, a loop, a FIFO, a device),
     which reading could not use or would block on, is refused by name."""
     try:
@@ -82,8 +82,8 @@ def find_images(inputs):
     for item in map(Path, inputs):
         if not item.exists() and not item.is_symlink():
             raise UserError(f"{item} does not exist")
-        if _kind(item) == "dir":
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and _kind(p) == "file")
+        if entry_kind(item) == "dir":
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and entry_kind(p) == "file")
         else:
             paths.append(item)
     if not paths:
@@ -110,45 +110,6 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
         raise UserError(f"cannot split {len(labels)} images into train/val with --val_fraction {val_fraction}: "
                         f"{error}") from None
     return sorted(train.tolist()), sorted(val.tolist())
-
-
-def find_splits(data_dir, *, val_fraction, seed):
-    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`; a split is a dict of
-    "files", "labels", "classes", "name" (train, val) and "root" (`data_dir`)."""
-    root = Path(data_dir)
-    has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
-    if has_train and not has_val and has_test:
-        raise UserError(f"{root} has train/ and test/: the folder that chooses the best model must be called val/ "
-                        f"(rename {root / 'test'} to {root / 'val'}), or pass --data_dir {root / 'train'} to split "
-                        "the training images here")
-    if has_train != has_val:
-        have, lack = ("train", "val") if has_train else ("val", "train")
-        raise UserError(f"{root} has {have}/ but no {lack}/: add {root / lack}/<class>/<image>, "
-                        + (f"or pass --data_dir {root / 'train'} to split the training images here (--val_fraction)"
-                           if has_train else f"or put the training images in {root / 'train'}/<class>/"))
-    if has_train:
-        train_files, train_labels, classes, skipped = list_image_folder(root / "train")
-        val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
-        if val_classes != classes:
-            only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
-            raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
-                            f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
-        check_classes(classes, root / "train")
-        splits, skipped = {"train": (train_files, train_labels), "val": (val_files, val_labels)}, skipped + val_skipped
-    else:
-        files, labels, classes, skipped = list_image_folder(root)
-        check_classes(classes, root)
-        parts = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
-        splits = {name: ([files[i] for i in part], [labels[i] for i in part]) for name, part in zip(("train", "val"),
-                                                                                                   parts)}
-    train, val = ({"files": files, "labels": labels, "classes": classes, "name": name, "root": root}
-                  for name, (files, labels) in splits.items())
-    return train, val, classes, skipped
-
-
-def _is_split(folder):
-    """A folder of class folders (not a class that happens to be called "train")."""
-    return folder.is_dir() and any(kind == "dir" for _, kind in _entries(folder))
 
 
 def read_image(path, *, channels=3):

@@ -89,9 +89,8 @@ def probe(args):
     """Run under accelerate launch: build the training set as train_seedlings.py does, report as JSON."""
     start, cpu = time.perf_counter(), time.process_time()
     from common.distributed import build_accelerator
-    from common.folders import build_folder_dataset, build_train_transform
+    from common.folders import build_folder_dataset, build_train_transform, find_splits
     from common.models import resize_size
-    from common.images import find_splits
 
     accelerator = build_accelerator()
     train_split, _, classes, _ = find_splits(args.probe, val_fraction=0.3, seed=42)
@@ -134,9 +133,8 @@ def data_path_rates(folder, args):
 
     from common.data import preprocess
     from common.folders import (ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform,
-                                random_resized_crop)
+                                find_splits, random_resized_crop)
     from common.models import resize_size
-    from common.images import find_splits
 
     train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)
     files, labels = train_split["files"], train_split["labels"]

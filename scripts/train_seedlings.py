@@ -44,9 +44,9 @@ from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
                           nonnegative_int, number, positive_int, probability)
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_file_dataloader,  # noqa: E402
-                            build_folder_dataset, build_train_transform, choose_num_workers, random_resized_crop,
-                            read_mean_std)
-from common.images import build_eval_transform, find_splits  # noqa: E402
+                            build_folder_dataset, build_train_transform, choose_num_workers, find_splits,
+                            random_resized_crop, read_mean_std)
+from common.images import build_eval_transform  # noqa: E402
 from common.models import build_ema, build_model, describe_model, load_pretrained, resize_size  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402

@@ -22,7 +22,8 @@ from common.cifar import build_cifar10
 from common.mnist import build_mnist
 from common.errors import UserError
 from common.flags import ArgumentParser
-from common.images import find_splits, read_image
+from common.folders import find_splits
+from common.images import read_image
 from conftest import REPO, load_script, script, write_idx
 
 SCRIPTS = REPO / "scripts"

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from common.errors import UserError
 from common.decode_cache import check_images
-from common.folders import build_file_dataloader, build_folder_dataset, build_train_transform
-from common.images import build_eval_transform, find_splits, list_image_folder, read_image, split_dataset
+from common.folders import build_file_dataloader, build_folder_dataset, build_train_transform, find_splits
+from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
 
