@@ -57,7 +57,8 @@ def _check(files, decode, *, accelerator, record, cache):
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     fingerprint = _fingerprint(files) if rank == 0 else None
     decoded = Path(record).with_name(f"{Path(record).stem}-{_size_name(cache)}.npy") if record and cache else None
-    kept = _read_record(record, fingerprint, decoded) if rank == 0 else None
+    shape = (len(files), 3, *_size(cache)) if cache else None
+    kept = _read_record(record, fingerprint, decoded, shape) if rank == 0 else None
     kept = broadcast_object_list([kept])[0] if processes > 1 else kept
     if kept is not None:
         if rank == 0:
@@ -108,13 +109,17 @@ def _fingerprint(files):
     return hashlib.sha256("\n".join(stats).encode()).hexdigest()
 
 
-def _read_record(record, fingerprint, decoded):
-    """The bad list kept in `record` for these very files (with the `decoded` cache, when asked for), or None."""
+def _read_record(record, fingerprint, decoded, shape):
+    """The bad list kept in `record` for these very files (with the `decoded` cache of that shape, when asked for),
+    or None: decode again (no record, other files, a cache missing, cut short or not ours)."""
     try:
         kept = json.loads(Path(record).read_text())
-        if kept["fingerprint"] != fingerprint or (decoded and not (kept["decoded"] == decoded.name
-                                                                   and decoded.exists())):
+        if kept["fingerprint"] != fingerprint:
             return None
+        if decoded:
+            images = np.load(decoded, mmap_mode="r")
+            if kept["decoded"] != decoded.name or images.shape != shape or images.dtype != np.uint8:
+                return None
         return [(str(path), str(error)) for path, error in kept["bad"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -287,8 +287,12 @@ def test_decoded_image_folder_is_cached_beside_the_data(tmp_path, cifar_jpegs, m
     assert torch.equal(second.images, first.images) and torch.equal(second.labels, first.labels)
     assert second.classes == first.classes
 
-    monkeypatch.undo()  # a changed folder is decoded afresh
-    shutil.copy(next((root / "cat").iterdir()), root / "cat" / "zz_copy.jpg")
+    monkeypatch.undo()  # a damaged cache is decoded again
+    expected = first.images.clone()  # not the mapping of the file damaged below in place
+    for damage in (lambda cache: os.truncate(cache, 1000), lambda cache: cache.write_text("not an array")):
+        damage(tmp_path / ".checked-train-32x32.npy")
+        assert torch.equal(load_image_folder(root, size=(32, 32)).images, expected)
+    shutil.copy(next((root / "cat").iterdir()), root / "cat" / "zz_copy.jpg")  # a changed folder is decoded afresh
     assert len(load_image_folder(root, size=(32, 32))) == len(first) + 1
 
 
