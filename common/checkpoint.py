@@ -20,8 +20,7 @@ from .reporting import truncate_metrics
 
 def save_checkpoint(accelerator, output_dir, name, *, state, keep):
     """Save the run as checkpoints/NAME (`state` as trainer_state.json), point `latest` at it and keep the newest
-    `keep`; every process calls it. Written in .tmp-NAME and renamed (`publish`), so that a kill at any moment
-    leaves `latest` naming a complete checkpoint."""
+    `keep`; every process calls it. Written in .tmp-NAME, then published: after any kill `latest` names a whole one."""
     checkpoints = Path(output_dir) / "checkpoints"
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
     if accelerator.is_main_process:
@@ -54,10 +53,8 @@ def resolve_args(args, *, parse_args):
     """(the run's arguments, its checkpoint or None); with --resume, the checkpoint's arguments. `--resume auto`
     starts a run that has no checkpoint, and stops a finished one with NothingToDo (exit 0), where `latest` refuses."""
     check_args(args)
-    if not args.resume:
-        return args, None
-    if args.resume == "auto" and not has_checkpoint(args.output_dir):
-        return args, None  # nothing saved yet: a new run
+    if not args.resume or (args.resume == "auto" and not has_checkpoint(args.output_dir)):
+        return args, None  # nothing to resume yet: a new run
     checkpoint = find_checkpoint(args.output_dir, "latest" if args.resume == "auto" else args.resume)
     if args.resume == "auto":
         check_same_run(args, checkpoint)
@@ -91,8 +88,7 @@ def check_same_run(args, checkpoint):
 def restore_args(args, saved, *, parse_args):
     """The checkpoint's arguments, except the runtime flags; a flag typed with another value (even its default) is
     refused. Parsed again, so that a value edited by hand in trainer_state.json is checked like a typed one."""
-    defaults = vars(parse_args([]))
-    restored = dict(vars(args))
+    defaults, restored = vars(parse_args([])), dict(vars(args))
     typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
     for name, value in saved.items():
         if name in args.runtime or name not in restored or restored[name] == value:
@@ -122,8 +118,7 @@ def restore_args(args, saved, *, parse_args):
 
 def find_checkpoint(output_dir, resume):
     """The checkpoint --resume names: its trainer state + "path". Only JSON is read: it runs before any build."""
-    output_dir = Path(output_dir)
-    checkpoints = output_dir / "checkpoints"
+    output_dir, checkpoints = Path(output_dir), Path(output_dir) / "checkpoints"
     others = sorted(p.name for p in checkpoints.glob("epoch_*")) if checkpoints.is_dir() else []
     choose = (f"Pass one of {', '.join(str(checkpoints / name) for name in others)}" if others
               else "Check --output_dir, or start a new run without --resume") + "."
@@ -221,14 +216,13 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
                         f"{ours[1]}. Resume it with the script and data it was trained on, or start a new run.")
     check_weights(accelerator.unwrap_model(model, keep_torch_compile=False), path / "model.safetensors",
                   expected=f"{ours[0]} with {ours[1]}")
-    if checkpoint["batch"] and checkpoint["num_processes"] != accelerator.num_processes:
-        raise UserError(f"checkpoint {path} was written inside an epoch by {checkpoint['num_processes']} processes; "
-                        f"this launch has {accelerator.num_processes}. Resume it with "
-                        f"{checkpoint['num_processes']} processes, or from an epoch_*_end checkpoint.")
-    if checkpoint["num_processes"] != accelerator.num_processes:
-        accelerator.print(f"warning: {path} was written by {checkpoint['num_processes']} processes and this launch "
-                          f"has {accelerator.num_processes}: the global batch changes, so the run will not match "
-                          "an uninterrupted one")
+    written_by, launched = checkpoint["num_processes"], accelerator.num_processes
+    if checkpoint["batch"] and written_by != launched:
+        raise UserError(f"checkpoint {path} was written inside an epoch by {written_by} processes; this launch has "
+                        f"{launched}. Resume it with {written_by} processes, or from an epoch_*_end checkpoint.")
+    if written_by != launched:
+        accelerator.print(f"warning: {path} was written by {written_by} processes and this launch has {launched}: the "
+                          "global batch changes, so the run will not match an uninterrupted one")
     try:
         accelerator.load_state(path)
         lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])

@@ -20,10 +20,9 @@ from .reporting import write_predictions
 def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None):
     """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`). `channels_last`: NHWC weights,
     so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`."""
-    if name == "resnet18_cifar":
-        model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans)
-    elif name == "mnist_convnet":
-        model = build_mnist_convnet(num_classes=num_classes, in_chans=in_chans)
+    own_models = {"resnet18_cifar": build_resnet18_cifar, "mnist_convnet": build_mnist_convnet}
+    if name in own_models:
+        model = own_models[name](num_classes=num_classes, in_chans=in_chans)
     else:
         import timm  # imported here: the two models above do not need it
 

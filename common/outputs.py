@@ -50,15 +50,13 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     earlier = earlier_run(output_dir)
     if earlier and not (resume or overwrite):
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        raise UserError(
-            (f"{output_dir} already holds a run ({', '.join(earlier)}). Pass --resume latest to continue it, "
-             "--overwrite to replace it, or choose another --output_dir." if has_checkpoint(output_dir) else
-             f"{output_dir} holds the outputs of a run that never reached its first checkpoint "
-             f"({', '.join(earlier)}): there is nothing to continue. Pass --overwrite (or --resume auto) to start it "
-             "again, or choose another --output_dir.")
-            + (f" This is the launcher's restart {restart} of the run: launch with --resume auto, and a restart "
-               "continues from the last checkpoint." if restart else "")
-        )
+        raise UserError((f"{output_dir} already holds a run ({', '.join(earlier)}). Pass --resume latest to continue "
+                         "it, --overwrite to replace it, or choose another --output_dir." if has_checkpoint(output_dir)
+                         else f"{output_dir} holds the outputs of a run that never reached its first checkpoint "
+                         f"({', '.join(earlier)}): there is nothing to continue. Pass --overwrite (or --resume auto) "
+                         "to start it again, or choose another --output_dir.")
+                        + (f" This is the launcher's restart {restart} of the run: launch with --resume auto, and a "
+                           "restart continues from the last checkpoint." if restart else ""))
     if accelerator.num_processes > 1:
         check_shared(output_dir, accelerator)
     return output_dir
@@ -78,10 +76,10 @@ def lock_output_dir(output_dir):
     folder = Path(output_dir).resolve()
     if folder in _locks:
         return None
-    if (folder / LOCK_FILE).is_dir():
-        return f"{folder / LOCK_FILE} is a folder, where a run keeps its lock file: remove it and run again"
-    lease = SoftFileLease(folder / LOCK_FILE, lease_duration=LOCK_LEASE_S, heartbeat_interval=LOCK_LEASE_S / 6,
-                          timeout=0)
+    lock_file = folder / LOCK_FILE
+    if lock_file.is_dir():
+        return f"{lock_file} is a folder, where a run keeps its lock file: remove it and run again"
+    lease = SoftFileLease(lock_file, lease_duration=LOCK_LEASE_S, heartbeat_interval=LOCK_LEASE_S / 6, timeout=0)
     try:
         lease.acquire()
     except Timeout:
@@ -94,20 +92,18 @@ def lock_output_dir(output_dir):
             wait = LOCK_LEASE_S * 1.25
         elif _is_zombie(owner.pid):
             lease.force_break()  # it was killed, and its parent has not collected it yet: filelock sees it alive
-        try:
+        with suppress(Timeout):
             lease.acquire(timeout=wait)
-        except Timeout:
-            owner = lease.owner
         if not lease.is_locked:
+            owner = lease.owner
             holder = f"process {owner.pid} on {owner.hostname}" if owner else "another process"
-            return (f"{output_dir} is being written by another run ({holder} holds {folder / LOCK_FILE}). Wait for it "
-                    "to end or stop it, or choose another --output_dir.")
+            return (f"{output_dir} is being written by another run ({holder} holds {lock_file}). Wait for it to end "
+                    "or stop it, or choose another --output_dir.")
     _locks[folder] = lease
     return None
 
 
 def _is_zombie(pid):
-    """Whether process `pid` has exited but not been collected by its parent (Linux)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):
@@ -192,7 +188,6 @@ def check_shared(output_dir, accelerator):
 
 
 def check_not_inside(output, inputs, *, flag):
-    """Refuse an output that is one of the inputs or lies inside an input folder."""
     resolved = Path(output).resolve()
     for item in inputs:
         source = Path(item).resolve()

@@ -208,12 +208,10 @@ class TrainingRun:
                   "train_samples": samples, "train_unique_samples": len(totals["indices"]),
                   "train_samples_per_process": totals["samples_per_process"],
                   "images_per_s": self._pace["images_per_s"], "train_time_s": self._pace["time"],
-                  "val_loss": evaluation["loss"], "val_accuracy": evaluation["accuracy"],
-                  "val_macro_f1": evaluation["macro_f1"], "val_samples": evaluation["samples"],
+                  **{f"val_{name}": evaluation[name] for name in ("loss", "accuracy", "macro_f1", "samples")},
                   "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
         if ema_evaluation:
-            record.update(ema_val_loss=ema_evaluation["loss"], ema_val_accuracy=ema_evaluation["accuracy"],
-                          ema_val_macro_f1=ema_evaluation["macro_f1"])
+            record.update({f"ema_val_{name}": ema_evaluation[name] for name in ("loss", "accuracy", "macro_f1")})
         log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)
         return record
 
@@ -231,13 +229,13 @@ class TrainingRun:
         """Checkpoint where the run stands (every process calls it); after a SIGTERM, stop the run there."""
         stop = self._compare_notes()  # nothing diverged is saved; every process decides to stop at the same point
         if self.in_epoch:
-            name, position = checkpoint_name(self.epoch, self.batch), (self.epoch, self.batch)
-            state = {"epoch_totals": self._global_totals()}
-        else:
-            name, position, state = checkpoint_name(self.epoch), (self.epoch + 1, 0), {}
-        state.update(epoch=position[0], batch=position[1], step=self.step, best_accuracy=self.best_accuracy,
-                     best_epoch=self.best_epoch, lr_scheduler=self.lr_scheduler.state_dict(),
-                     num_processes=self.accelerator.num_processes, **self.model_info)
+            name = checkpoint_name(self.epoch, self.batch)
+            state = {"epoch_totals": self._global_totals(), "epoch": self.epoch, "batch": self.batch}
+        else:  # resumed at the next epoch's start
+            name, state = checkpoint_name(self.epoch), {"epoch": self.epoch + 1, "batch": 0}
+        state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,
+                     lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
+                     **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
         if stop:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
