@@ -9,7 +9,6 @@ import multiprocessing
 import multiprocessing.util  # noqa: F401  its exit function must be registered before ours
 import os
 import signal
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -163,24 +162,6 @@ class ImageFileDataset(torch.utils.data.Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(np.random.SeedSequence([self.seed, int(self.epoch), index]).generate_state(1)[0]))
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
-
-
-class ImageFiles(torch.utils.data.Dataset):
-    """Unlabelled image files (predict.py, export.py); an unreadable one is named and comes out blank, ok False."""
-
-    def __init__(self, paths, *, transform, channels, image_size):
-        self.paths, self.transform, self.channels, self.image_size = paths, transform, channels, image_size
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, index):
-        try:
-            image, ok = self.transform(read_image(self.paths[index], channels=self.channels)), True
-        except (OSError, ValueError) as error:
-            print(f"skipped {self.paths[index]}: not a readable image ({error})", file=sys.stderr)
-            image, ok = torch.zeros((self.channels, *self.image_size), dtype=torch.uint8), False
-        return {"image": image, "ok": ok, "index": index}
 
 
 class ClassBalancedSampler(torch.utils.data.Sampler):

@@ -1,5 +1,5 @@
-"""Image files, the ground floor every dataset stands on: listing class folders, finding images, the stratified
-train/val split, reading and converting an image, and the evaluation preprocessing."""
+"""Image files, the ground floor every dataset stands on: listing class folders, the stratified train/val split,
+reading and converting an image, and the evaluation preprocessing."""
 
 import errno
 import os
@@ -74,21 +74,6 @@ def check_classes(classes, root):
     if len(classes) < 2:
         raise UserError(f"{root} has one class folder ({classes[0]}): a classifier needs at least 2 classes, one "
                         "folder of images each")
-
-
-def find_images(inputs):
-    """Image files named in `inputs`, and those under the folders named there (recursive, sorted)."""
-    paths = []
-    for item in map(Path, inputs):
-        if not item.exists() and not item.is_symlink():
-            raise UserError(f"{item} does not exist")
-        if entry_kind(item) == "dir":
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and entry_kind(p) == "file")
-        else:
-            paths.append(item)
-    if not paths:
-        raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
-    return paths
 
 
 def split_dataset(labels, *, val_fraction, seed, classes=None):

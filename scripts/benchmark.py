@@ -40,14 +40,15 @@ from PIL import Image
 from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.errors import run_main  # noqa: E402
-from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
-from common.outputs import check_output_file, write_atomically  # noqa: E402
 from common.cifar import CIFAR10_MEAN, CIFAR10_STD  # noqa: E402
 from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
+from common.errors import run_main  # noqa: E402
+from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
 from common.images import build_eval_transform, list_image_folder, read_image  # noqa: E402
 from common.models import build_model  # noqa: E402
+from common.outputs import write_atomically  # noqa: E402
+from common.tools import check_output_file  # noqa: E402
 
 
 def parse_args(argv=None):

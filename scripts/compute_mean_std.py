@@ -16,8 +16,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser  # noqa: E402
-from common.images import find_images, read_image  # noqa: E402
-from common.outputs import check_output_file, write_atomically  # noqa: E402
+from common.images import read_image  # noqa: E402
+from common.outputs import write_atomically  # noqa: E402
+from common.tools import check_output_file, find_images  # noqa: E402
 
 
 def parse_args(argv=None):

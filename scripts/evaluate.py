@@ -25,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common import cifar, mnist  # noqa: E402
 from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
+from common.decode_cache import check_images  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
-from common.decode_cache import check_images  # noqa: E402
 from common.folders import ImageFileDataset, build_file_dataloader  # noqa: E402
 from common.images import build_eval_transform, list_image_folder  # noqa: E402
 from common.models import load_best_model  # noqa: E402

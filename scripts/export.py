@@ -24,10 +24,11 @@ from common.data import preprocess  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.exported import INPUT, OUTPUT, OnnxModel, description_path  # noqa: E402
 from common.flags import ArgumentParser, number  # noqa: E402
+from common.folders import build_file_dataloader  # noqa: E402
+from common.images import build_eval_transform  # noqa: E402
 from common.models import load_best_model  # noqa: E402
-from common.folders import ImageFiles, build_file_dataloader  # noqa: E402
-from common.images import build_eval_transform, find_images  # noqa: E402
-from common.outputs import check_output_file, write_atomically  # noqa: E402
+from common.outputs import write_atomically  # noqa: E402
+from common.tools import ImageFiles, check_output_file, find_images  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -32,11 +32,11 @@ from accelerate.utils import set_seed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
 from common.data import build_dataloader, hold_out, preprocess  # noqa: E402
-from common.mnist import build_digits, build_mnist  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number  # noqa: E402
+from common.mnist import build_digits, build_mnist  # noqa: E402
 from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402

@@ -236,7 +236,7 @@ def test_what_a_killed_run_left_half_written_is_cleared_and_a_best_folder_moved_
 def test_odd_folders_are_named(tmp_path, seedlings):
     from common.errors import UserError
     from common.folders import find_splits
-    from common.images import find_images
+    from common.tools import find_images
 
     one_class = tmp_path / "one_class"
     shutil.copytree(seedlings / "Maize", one_class / "plant-seedlings" / "Maize")
