@@ -39,7 +39,7 @@ def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record
         except (OSError, ValueError) as error:
             return error
 
-    bad, images = _check(files, decode, accelerator=accelerator, record=record, cache=cache)
+    bad, images = _decode_unless_recorded(files, decode, accelerator=accelerator, record=record, cache=cache)
     if bad and not skip_bad_images:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
@@ -51,7 +51,7 @@ def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record
     return good, bad, images
 
 
-def _check(files, decode, *, accelerator, record, cache):
+def _decode_unless_recorded(files, decode, *, accelerator, record, cache):
     """([(file, error)] of the unreadable `files`, the cache or None). The main process reads the record and
     decides for all (another run may be writing it right now), and writes it."""
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
