@@ -7,9 +7,11 @@ share) and memory-mapped by every process, so that the page cache holds one copy
 a read-only data folder means decoding again.
 """
 
+import glob
 import hashlib
 import json
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -134,7 +136,8 @@ def _decode_shared_out(files, decode, path, size, accelerator):
                                 else (0, 0, 1))
     tmp = None
     if path is not None and rank == 0:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
+        _remove_dead_leftovers(path)
+        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp.npy")
         try:
             np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), 3, *size)).flush()
             with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
@@ -169,6 +172,18 @@ def _decode_shared_out(files, decode, path, size, accelerator):
     if accelerator:
         accelerator.wait_for_everyone()
     return bad, shares, _map(path)
+
+
+def _remove_dead_leftovers(path):
+    """The half-written caches that killed runs of this machine left beside `path` (each as big as the cache)."""
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.{glob.escape(socket.gethostname())}.*.tmp.npy"):
+        pid = tmp.name.removesuffix(".tmp.npy").rsplit(".", 1)[-1]
+        try:
+            os.kill(int(pid), 0)  # raises if no such process: the run that was writing it is gone
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, OSError):  # not our name, or a live process of another user
+            pass
 
 
 def _machine(accelerator):

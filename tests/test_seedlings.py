@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,6 +103,28 @@ def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
     assert kept == [0, 1] and [path for path, _ in bad] == [truncated, garbage]
     assert cache.shape == (4, 3, 40, 40) and cache.dtype == torch.uint8  # a row for each file, read with kept
     assert cache[kept].float().mean() > 10 and not cache[2:].any()
+
+
+def test_a_cache_half_written_by_a_killed_run_of_this_machine_is_removed_and_a_running_ones_is_kept(tmp_path,
+                                                                                                      seedlings):
+    files = sorted((seedlings / "Maize").iterdir())[:3]
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        left = {pid: tmp_path / f".checked-train-40px.npy.{socket.gethostname()}.{pid}.tmp.npy"
+                for pid in (finished.pid, running.pid)}
+        other_host = tmp_path / f".checked-train-40px.npy.another-host.{finished.pid}.tmp.npy"
+        for path in (*left.values(), other_host):
+            path.write_bytes(b"half")
+        check_images(files, skip_bad_images=False, cache={"resize": 40, "center_crop": 40},
+                     record=tmp_path / ".checked-train.json")
+        assert (tmp_path / ".checked-train-40px.npy").exists()
+        assert not left[finished.pid].exists()  # its process is gone
+        assert left[running.pid].exists() and other_host.exists()  # may still be written
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_the_image_check_is_kept_with_a_fingerprint_and_redone_when_a_file_changes(tmp_path, seedlings):
