@@ -25,12 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common import cifar, mnist  # noqa: E402
 from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
-from common.decode_cache import check_images  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
-from common.folders import ImageFileDataset, build_file_dataloader  # noqa: E402
+from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
 from common.images import build_eval_transform, list_image_folder  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
@@ -60,18 +59,22 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def build_dataset(kind, data_dir, split, *, meta, skip_bad_images):
+def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
     """(dataset, files or None) of the split, in the layout `kind`; items are dicts with image, label, index."""
     if kind != "digits" and data_dir is None:
         raise UserError(f"--data_dir is needed for a {kind} dataset")
     if kind == "folder":
-        root = Path(data_dir) / split if (Path(data_dir) / split).is_dir() else Path(data_dir)
-        files, labels, classes, _ = list_image_folder(root)
-        good, bad, _ = check_images(files, skip_bad_images=skip_bad_images)
-        if bad:
-            print(f"warning: left out {len(bad)} unreadable images, e.g. {bad[0][0]}", file=sys.stderr)
-        files, labels = [files[i] for i in good], [labels[i] for i in good]
-        return ImageFileDataset(files, labels, classes, transform=build_eval_transform(meta["eval_transform"])), files
+        named = (Path(data_dir) / split).is_dir()  # DIR/val/<class>/..., else DIR/<class>/...
+        files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
+        # checked once, shared out among the processes; the check is kept where a training run keeps its own
+        split = {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
+                 "root": Path(data_dir)}
+        dataset = build_folder_dataset(split, transform=build_eval_transform(meta["eval_transform"]),
+                                       skip_bad_images=skip_bad_images, accelerator=accelerator)
+        if dataset.left_out:
+            print(f"warning: left out {len(dataset.left_out)} unreadable images, e.g. {dataset.left_out[0]}",
+                  file=sys.stderr)
+        return dataset, dataset.files
     if split not in ("train", "test"):
         raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
     train, test = IN_MEMORY_DATASETS[kind](data_dir, seed=meta.get("args", {}).get("seed", 42))
@@ -113,7 +116,8 @@ def main(args):
         raise UserError(f"{args.model_dir} does not say which dataset layout it was trained on (written before "
                         f"evaluate.py existed): pass --dataset ({', '.join(DATASETS)})")
     output_dir = check_output_dir(args)
-    dataset, files = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images)
+    dataset, files = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images,
+                                   accelerator=accelerator)
     dataset = in_model_classes(dataset, meta["class_names"], args.data_dir or kind)
     if isinstance(dataset, InMemoryDataset):
         if list(dataset.image_size) != list(meta["image_size"]):
