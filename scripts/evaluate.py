@@ -71,7 +71,7 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
                  "root": Path(data_dir)}
         dataset = build_folder_dataset(split, transform=build_eval_transform(meta["eval_transform"]),
                                        skip_bad_images=skip_bad_images, accelerator=accelerator)
-        if dataset.left_out:
+        if dataset.left_out and accelerator.is_main_process:
             print(f"warning: left out {len(dataset.left_out)} unreadable images, e.g. {dataset.left_out[0]}",
                   file=sys.stderr)
         return dataset, dataset.files
