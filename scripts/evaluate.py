@@ -67,9 +67,9 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
         named = (Path(data_dir) / split).is_dir()  # DIR/val/<class>/..., else DIR/<class>/...
         files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
         # checked once, shared out among the processes; the check is kept where a training run keeps its own
-        split = {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
-                 "root": Path(data_dir)}
-        dataset = build_folder_dataset(split, transform=build_eval_transform(meta["eval_transform"]),
+        listed = {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
+                  "root": Path(data_dir)}
+        dataset = build_folder_dataset(listed, transform=build_eval_transform(meta["eval_transform"]),
                                        skip_bad_images=skip_bad_images, accelerator=accelerator)
         if dataset.left_out and accelerator.is_main_process:
             print(f"warning: left out {len(dataset.left_out)} unreadable images, e.g. {dataset.left_out[0]}",
