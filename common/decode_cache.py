@@ -193,9 +193,18 @@ def _machine(accelerator):
     return accelerator.process_index // local, accelerator.local_process_index, local
 
 
+def machine_share():
+    """(the cores this process may use, the processes of this machine): the affinity a scheduler gave (Slurm,
+    taskset), not every core of the machine, shared among the LOCAL_WORLD_SIZE processes torchrun started."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def _decode_all(decode, items):
-    """`decode` of each item, in order, on threads (PIL decodes without the GIL)."""
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    """`decode` of each item, in order, on threads (PIL decodes without the GIL): this process's share of the
+    cores, at most 8."""
+    cores, local = machine_share()
+    with ThreadPoolExecutor(max_workers=max(1, min(8, cores // local))) as pool:
         return list(pool.map(decode, items, chunksize=64))
 
 

@@ -7,7 +7,6 @@ import json
 import math
 import multiprocessing
 import multiprocessing.util  # noqa: F401  its exit function must be registered before ours
-import os
 import signal
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import InMemoryDataset, build_dataloader
-from .decode_cache import check_images
+from .decode_cache import check_images, machine_share
 from .errors import UserError
 from .images import check_classes, folder_entries, list_image_folder, read_image, split_dataset
 
@@ -196,8 +195,7 @@ def choose_num_workers(given=None):
     1 to 8. More workers than cores only take turns (on 2 cores, at half the speed)."""
     if given is not None:
         return given, "--num_workers"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores, local = machine_share()
     return max(1, min(8, cores // local - 1)), f"{cores} cores / {local} processes on this machine, less one"
 
 
