@@ -11,7 +11,7 @@ import torch
 from .data import InMemoryDataset, check_labels, download_dataset
 from .decode_cache import check_images
 from .errors import UserError
-from .images import check_classes, convert_image, list_image_folder
+from .images import build_eval_transform, check_classes, convert_image, list_image_folder
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -145,10 +145,10 @@ def _from_hf_split(split, name):
     if image_column is None or label_column is None:
         raise UserError(f"Hugging Face dataset {name!r} needs an Image column and a ClassLabel column, "
                         f"has {dict(split.features)}")
-    images = np.stack([np.asarray(convert_image(image).resize((32, 32))) for image in split[image_column]])
+    resize = build_eval_transform({"resize": [32, 32]})  # as the folder layout decodes, and predict.py reads
+    images = torch.stack([resize(convert_image(image)) for image in split[image_column]])
     labels = torch.tensor(split[label_column], dtype=torch.long)
-    return InMemoryDataset(torch.from_numpy(images).permute(0, 3, 1, 2), labels,
-                           split.features[label_column].names)
+    return InMemoryDataset(images, labels, split.features[label_column].names)
 
 
 def load_image_folder(root, *, size, accelerator=None):
