@@ -79,13 +79,12 @@ def _decode_unless_recorded(files, decode, *, accelerator, record, cache):
     bad = sorted(((str(path), str(error)) for path, error in bad), key=lambda item: order[item[0]])
     written = decoded is not None and decoded.exists()
     if rank == 0:
-        print(f"checked {len(files)} images on {len(shares)} process(es) ({' + '.join(map(str, shares))})"
-              + (f", kept in {record}" if record else "")
-              + (f"; decoded once for this machine into {decoded.name}" if written else ""))
-    if record is not None and rank == 0:
         text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
                            "decoded": decoded.name if written else None, "bad": bad})
-        write_if_possible(Path(record), lambda tmp: tmp.write_text(text))
+        kept = record is not None and write_if_possible(Path(record), lambda tmp: tmp.write_text(text))
+        print(f"checked {len(files)} images on {len(shares)} process(es) ({' + '.join(map(str, shares))})"
+              + (f", kept in {record}" if kept else "")
+              + (f"; decoded once for this machine into {decoded.name}" if written else ""))
     return [(Path(path), error) for path, error in bad], images
 
 

@@ -237,9 +237,13 @@ def failed_write_is_said(path):
 
 
 def write_if_possible(path, write):
-    """write_atomically, or nothing where the folder cannot be written: for caches that only save time."""
-    with suppress(WriteFailed):
+    """write_atomically, or nothing where the folder cannot be written (for caches that only save time): whether
+    it was written."""
+    try:
         write_atomically(path, write)
+    except WriteFailed:
+        return False
+    return True
 
 
 def _probe_write(folder):
