@@ -94,8 +94,12 @@ def _size(spec):
 
 
 def _size_name(spec):
-    """55px (short side resized, center square cropped: the folder datasets) or 32x32 (resized to that size)."""
-    return f"{_size(spec)[0]}px" if "center_crop" in spec else "x".join(map(str, _size(spec)))
+    """55px (short side resized to 55, center square cropped: the folder datasets' training cache), 55to48px
+    (resized to 55, center 48 cropped: their evaluation cache) or 32x32 (resized to that size)."""
+    if "center_crop" not in spec:
+        return "x".join(map(str, _size(spec)))
+    crop = _size(spec)[0]
+    return f"{crop}px" if spec["resize"] == crop else f"{spec['resize']}to{crop}px"
 
 
 def _fingerprint(files):

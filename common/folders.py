@@ -112,19 +112,19 @@ def _is_split(folder):
     return folder.is_dir() and any(kind == "dir" for _, kind in folder_entries(folder))
 
 
-def build_folder_dataset(split, *, transform, skip_bad_images, cache_size=None, seed=None, accelerator=None):
+def build_folder_dataset(split, *, transform, skip_bad_images, cache=None, seed=None, accelerator=None):
     """An ImageFileDataset of a split (`find_splits`), its images checked once (`check_images`; the unreadable ones
-    in `left_out`). With a cache and no `transform`, an InMemoryDataset over the mapped cache instead: a batch is
-    one gather, no workers, no Python per image, so that the CPU only copies bytes while the device augments."""
-    good, bad, cache = check_images(split["files"], skip_bad_images=skip_bad_images,
-                                    cache={"resize": cache_size, "center_crop": cache_size} if cache_size else None,
-                                    accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
+    in `left_out`). `cache`: the eval_transform spec the images are decoded to once, into the decode cache. With a
+    cache and no `transform`, an InMemoryDataset over the mapped cache instead: a batch is one gather, no workers,
+    no Python per image, so that the CPU only copies bytes while the device augments."""
+    good, bad, images = check_images(split["files"], skip_bad_images=skip_bad_images, cache=cache,
+                                     accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
     labels, classes = [split["labels"][i] for i in good], split["classes"]
-    if cache is not None and transform is None:
-        dataset = InMemoryDataset(cache, torch.tensor(labels), classes, rows=good)
+    if images is not None and transform is None:
+        dataset = InMemoryDataset(images, torch.tensor(labels), classes, rows=good)
     else:
         dataset = ImageFileDataset([split["files"][i] for i in good], labels, classes, transform=transform,
-                                   cache=None if cache is None else (cache, good), seed=seed)
+                                   cache=None if images is None else (images, good), seed=seed)
     dataset.left_out = [path for path, _ in bad]
     return dataset
 
@@ -188,6 +188,28 @@ def balanced_class_weights(labels, num_classes):
     """Loss weights n / (num_classes * count), scikit-learn's "balanced"."""
     counts = np.bincount(np.asarray(labels), minlength=num_classes)
     return torch.tensor(len(labels) / (num_classes * np.maximum(counts, 1)), dtype=torch.float32)
+
+
+def training_cache(eval_transform):
+    """The decode cache of a training split: the whole square that evaluation resizes to (`eval_transform`'s
+    "resize"), so that the random crops on the device see as much of each image as evaluation does."""
+    return {"resize": eval_transform["resize"], "center_crop": eval_transform["resize"]}
+
+
+CACHE_LIMIT_GB = 4  # --cache_images' default: the decode cache when the decoded images take at most this much
+
+
+def choose_cache(given, *, images, size):
+    """(whether to decode the images once into the decode cache, why): `given` (--cache_images or
+    --no-cache_images), else when `images` of size x size take at most CACHE_LIMIT_GB. Then no worker decodes or
+    augments an image again, which pays on a CPU (workers slow the training threads) and on a GPU; a larger set
+    streams from its files. A function of the data alone, so that a resumed run makes the same choice."""
+    if given is not None:
+        return given, "--cache_images" if given else "--no-cache_images"
+    need = images * 3 * size * size
+    within = need <= CACHE_LIMIT_GB * 1e9
+    return within, (f"{need / 1e9:.1f} GB" if need >= 1e8 else f"{need / 1e6:.1f} MB") + (
+        f" decoded, {'within' if within else 'over'} the default's {CACHE_LIMIT_GB} GB")
 
 
 def choose_num_workers(given=None):

@@ -89,13 +89,13 @@ def probe(args):
     """Run under accelerate launch: build the training set as train_seedlings.py does, report as JSON."""
     start, cpu = time.perf_counter(), time.process_time()
     from common.distributed import build_accelerator
-    from common.folders import build_folder_dataset, build_train_transform, find_splits
+    from common.folders import build_folder_dataset, build_train_transform, find_splits, training_cache
     from common.models import resize_size
 
     accelerator = build_accelerator()
     train_split, _, classes, _ = find_splits(args.probe, val_fraction=0.3, seed=42)
     dataset = build_folder_dataset(train_split, skip_bad_images=False,
-                                   cache_size=resize_size(args.image_size) if args.probe_cache else None,
+                                   cache=training_cache({"resize": resize_size(args.image_size)}) if args.probe_cache else None,
                                    accelerator=accelerator,
                                    transform=build_train_transform(args.image_size, geometry=False))
     startup, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -133,7 +133,7 @@ def data_path_rates(folder, args):
 
     from common.data import preprocess
     from common.folders import (ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform,
-                                find_splits, random_resized_crop)
+                                find_splits, random_resized_crop, training_cache)
     from common.models import resize_size
 
     train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)
@@ -152,7 +152,7 @@ def data_path_rates(folder, args):
     files_set = ImageFileDataset(files, labels, classes, transform=build_train_transform(args.image_size))
     # as train_seedlings.py --cache_images builds it: the probes' check record read, their decoded cache mapped
     cache_set = build_folder_dataset(train_split, transform=None, skip_bad_images=False,
-                                     cache_size=resize_size(args.image_size))
+                                     cache=training_cache({"resize": resize_size(args.image_size)}))
     seed_transform = transforms.Compose([transforms.RandomResizedCrop(args.image_size, scale=(0.35, 1.0)),
                                          transforms.RandomHorizontalFlip(), transforms.RandomVerticalFlip(),
                                          transforms.RandomRotation(30), transforms.ToTensor(),

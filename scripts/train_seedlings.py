@@ -14,13 +14,15 @@ Accuracy and time: see README "Results" (only what was measured is reported ther
 
 Data (--data_dir): `DIR/<class>/<image>` (split here: stratified, --val_fraction 0.3, --seed), or
 `DIR/train/<class>/...` + `DIR/val/<class>/...` (for example written by scripts/split_dataset.py).
+Decoded once into a cache file beside the data and augmented on the device when it takes at most 4 GB,
+else read from the files by DataLoader workers (--cache_images / --no-cache_images choose).
 Normalisation: `--mean_std FILE` from scripts/compute_mean_std.py, else ImageNet's.
 
 Launch:
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_seedlings.py \\
         --data_dir data/plant-seedlings --pretrained resnet50_a1_in1k.safetensors
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_seedlings.py \\
-        --data_dir data/plant-seedlings --model resnet18 --image_size 128 --epochs 5 --cache_images
+        --data_dir data/plant-seedlings --model resnet18 --image_size 128 --epochs 5
 
 Checkpoints: output_dir/checkpoints/ after every epoch (and every --checkpoint_every steps, and on SIGTERM);
 continue a stopped run with the same command plus `--resume latest`.
@@ -44,10 +46,10 @@ from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
                           nonnegative_int, number, positive_int, probability)
 from common.folders import (ClassBalancedSampler, balanced_class_weights, build_file_dataloader,  # noqa: E402
-                            build_folder_dataset, build_train_transform, choose_num_workers, find_splits,
-                            random_resized_crop, read_mean_std)
+                            build_folder_dataset, build_train_transform, choose_cache, choose_num_workers,
+                            find_splits, random_resized_crop, read_mean_std, training_cache)
 from common.images import build_eval_transform  # noqa: E402
-from common.models import build_ema, build_model, describe_model, load_pretrained, resize_size  # noqa: E402
+from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -70,7 +72,9 @@ def parse_args(argv=None):
                         help="SyncBatchNorm (default: on with CUDA and more than one process, else off)")
     parser.add_runtime_argument("--num_workers", type=nonnegative_int, default=None,
                                 help="DataLoader workers per process (default: from the cores per process, in the log)")
-    parser.add_argument("--cache_images", action="store_true", help="decode and resize every image once, into memory")
+    parser.add_argument("--cache_images", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode every image once into a file beside the data, augment on the device, no workers "
+                             "(default: on when the decoded images take at most 4 GB; --no-cache_images: files)")
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     parser.add_argument("--class_weights", choices=["none", "balanced"], default="none",
                         help="weigh each class's loss by n / (classes x its count) (default: %(default)s)")
@@ -109,15 +113,18 @@ def main(args):
     model_info = describe_model(args.model, classes, image_size=(args.image_size, args.image_size),
                                 normalize=(mean, std), dataset="folder",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
-    # each process checks its share of the images; the result is kept beside the data for the next run
-    folder_dataset = partial(build_folder_dataset, skip_bad_images=args.skip_bad_images,
-                             cache_size=resize_size(args.image_size) if args.cache_images else None,
-                             accelerator=accelerator)
-    # with --cache_images crop, flips and rotation happen on the device: without --auto_augment, the CPU only
-    # gathers each batch's rows of the cache, with no workers
-    train_set = folder_dataset(train_split, transform=build_train_transform(
-        args.image_size, args.auto_augment, geometry=not args.cache_images), seed=args.seed)
-    eval_set = folder_dataset(val_split, transform=build_eval_transform(model_info["eval_transform"]))
+    # each process checks its share of the images; the result is kept beside the data for the next run. With the
+    # decode cache, crop, flips and rotation happen on the device: the CPU only gathers each batch's rows (without
+    # --auto_augment), evaluation reads its images already resized and cropped, and no worker runs
+    eval_spec = model_info["eval_transform"]
+    cache_images, cache_rule = choose_cache(args.cache_images, size=eval_spec["resize"],
+                                            images=len(train_split["files"]) + len(val_split["files"]))
+    folder_dataset = partial(build_folder_dataset, skip_bad_images=args.skip_bad_images, accelerator=accelerator)
+    train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment,
+                                                                            geometry=not cache_images),
+                               cache=training_cache(eval_spec) if cache_images else None, seed=args.seed)
+    eval_set = folder_dataset(val_split, transform=None if cache_images else build_eval_transform(eval_spec),
+                              cache=eval_spec if cache_images else None)
     for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
                            ("unreadable val images", eval_set.left_out)):
         if left_out:
@@ -132,7 +139,7 @@ def main(args):
     normalise = partial(preprocess, normalize=(mean, std), erasing=args.random_erasing)  # on the device
 
     def train_transform(images):
-        return normalise(random_resized_crop(images, size=args.image_size) if args.cache_images else images)
+        return normalise(random_resized_crop(images, size=args.image_size) if cache_images else images)
 
     eval_transform = partial(preprocess, normalize=(mean, std))
 
@@ -171,10 +178,14 @@ def main(args):
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
+    workers = [name for name, dataset in (("training", train_set), ("evaluation", eval_set))
+               if not isinstance(dataset, InMemoryDataset)]
     accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
-                      f"images, {total_steps} optimizer steps, {lr_rule}; {num_workers} loader workers per process "
-                      f"({workers_rule}"
-                      f"{'; training reads the cache without them' if isinstance(train_set, InMemoryDataset) else ''}); "
+                      f"images, {total_steps} optimizer steps, {lr_rule}; decode cache "
+                      f"{'on' if cache_images else 'off'} ({cache_rule}); "
+                      + (f"{num_workers} loader workers per process for {' and '.join(workers)} ({workers_rule}); "
+                         if workers else "no loader workers: both sets are gathered from the cache; ")
+                      + 
                       f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 

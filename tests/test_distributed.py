@@ -153,11 +153,11 @@ def test_two_machines_each_decode_the_image_cache_once_into_one_shared_file(tmp_
     (code0, out0), (code1, out1) = run_machines(tmp_path, args, args, script=REPO / "scripts" / "train_seedlings.py")
     assert code0 == 0 and code1 == 0, out0 + out1
     assert epoch_lines(out0) == epoch_lines(out1) and len(epoch_lines(out0)) == 1
-    for split in ("train", "val"):
+    for split, size in (("train", 55), ("val", 48)):  # training: the whole resized square; evaluation: its crop
         record = json.loads((data / f".checked-{split}.json").read_text())
         assert record["checked_per_process"] == [record["images"]] * 2  # once on each machine
         decoded = np.load(data / record["decoded"], mmap_mode="r")
-        assert decoded.shape == (record["images"], 3, 55, 55) and decoded.any(axis=(1, 2, 3)).all()
+        assert decoded.shape == (record["images"], 3, size, size) and decoded.any(axis=(1, 2, 3)).all()
     assert not list(data.glob("*.tmp*"))
 
 

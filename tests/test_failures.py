@@ -19,9 +19,9 @@ from conftest import (REPO, descendants, fill, kill_everything, launch_command, 
                       wait_for, worker_pid)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
-# a tiny seedlings run with one DataLoader worker per process
+# a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
 SMALL_SEEDLINGS = ["--model", "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 8, "--mixup_alpha", 0,
-                   "--cutmix_alpha", 0, "--num_workers", 1]
+                   "--cutmix_alpha", 0, "--num_workers", 1, "--no-cache_images"]
 
 
 # ---- an error never hangs ----
@@ -338,6 +338,10 @@ def test_a_resumed_run_refuses_a_typed_flag_even_at_its_default_value():
     assert restore_args(parse_args(["--dataset", "digits"]), saved, parse_args=parse_args).epochs == 4
     seedlings = load_script("train_seedlings.py").parse_args
     assert seedlings(["--no-sync_bn"]).typed == {"sync_bn"}
+    # --cache_images was a plain switch: a run saved with False (the files) resumes on the files, not the new default
+    assert seedlings([]).cache_images is None
+    old = {**vars(seedlings([])), "cache_images": False}
+    assert restore_args(seedlings(["--data_dir", "elsewhere"]), old, parse_args=seedlings).cache_images is False
 
 
 def test_the_lock_of_a_killed_run_is_taken_over_even_before_its_parent_collects_it(tmp_path):

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from common.errors import UserError
 from common.decode_cache import check_images
-from common.folders import build_file_dataloader, build_folder_dataset, build_train_transform, find_splits
+from common.folders import (build_file_dataloader, build_folder_dataset, build_train_transform, choose_cache, find_splits,
+                            training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
@@ -155,7 +156,7 @@ def test_the_cache_without_per_image_work_is_read_in_whole_batches_of_the_good_r
              "classes": ["Maize", "Cleavers"], "name": "train", "root": data}
     split["labels"] = [0 if path.parent.name == "Maize" else 1 for path in split["files"]]
     assert build_train_transform(32, geometry=False) is None  # nothing left to do per image
-    dataset = build_folder_dataset(split, transform=None, skip_bad_images=True, cache_size=37)
+    dataset = build_folder_dataset(split, transform=None, skip_bad_images=True, cache=training_cache({"resize": 37}))
     assert [path.name for path in dataset.left_out] == ["0_truncated.png"] and len(dataset) == len(split["files"]) - 1
     loader = build_file_dataloader(dataset, batch_size=4, shuffle=True, num_workers=2)
     assert loader.num_workers == 0 and loader.collate_fn(["kept as it is"]) == ["kept as it is"]
@@ -168,6 +169,20 @@ def test_the_cache_without_per_image_work_is_read_in_whole_batches_of_the_good_r
             assert torch.equal(image, shrink(read_image(good[index]))) and label == (good[index].parent.name == "Cleavers")
             seen.append(index)
     assert sorted(seen) == list(range(len(good)))
+    # the evaluation cache holds each image as evaluation sees it: resized and center-cropped once, at decode time
+    spec = {"resize": 37, "center_crop": [32, 32]}
+    evaluation = build_folder_dataset(split, transform=None, skip_bad_images=True, cache=spec)
+    assert (data / ".checked-train-37to32px.npy").exists() and (data / ".checked-train-37px.npy").exists()
+    batch = evaluation.__getitems__(list(range(len(good))))
+    assert all(torch.equal(image, build_eval_transform(spec)(read_image(path))) for image, path in zip(batch["image"], good))
+
+
+def test_the_decode_cache_is_the_default_where_the_decoded_images_fit_in_4_gb():
+    """A function of the data alone (never of this machine's memory): a resumed run chooses as the first did."""
+    assert choose_cache(None, images=3319, size=73) == (True, "53.1 MB decoded, within the default's 4 GB")
+    assert choose_cache(None, images=1_281_167, size=256) == (False, "251.9 GB decoded, over the default's 4 GB")
+    assert choose_cache(True, images=1_281_167, size=256) == (True, "--cache_images")
+    assert choose_cache(False, images=10, size=32) == (False, "--no-cache_images")
 
 
 @pytest.mark.slow
@@ -180,7 +195,8 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     for name in ("truncated.png", "not_an_image.png"):
         shutil.copy(FIXTURES / "odd_images" / name, data / "Maize" / f"zz_{name}")
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", data, "--model", "resnet18", "--image_size", 48, "--epochs",
-               1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images", *(["--cache_images"] if cache else [])]
+               1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images",
+               "--cache_images" if cache else "--no-cache_images"]
     first = launch(*command, "--output_dir", tmp_path / "first")
     assert first.returncode == 0, first.output
     records = [json.loads((data / f".checked-{split}.json").read_text()) for split in ("train", "val")]
@@ -190,15 +206,17 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
         assert len(record["checked_per_process"]) == 2
         assert max(record["checked_per_process"]) - min(record["checked_per_process"]) <= 1
         assert f"checked {record['images']} images on 2 process(es)" in first.output
-        if cache:  # both halves in one file, every image where the evaluation transform puts it
+        if cache:  # both halves in one file: training's the whole resized square, evaluation's its center crop
+            size = 55 if record is records[0] else 48
             decoded = np.load(data / record["decoded"], mmap_mode="r")
-            assert decoded.shape == (record["images"], 3, 55, 55) and decoded.dtype == np.uint8
+            assert decoded.shape == (record["images"], 3, size, size) and decoded.dtype == np.uint8
             assert f"decoded once for this machine into {record['decoded']}" in first.output
             files = find_splits(data, val_fraction=0.3, seed=42)[0 if record is records[0] else 1]["files"]
-            shrink = build_eval_transform({"resize": 55, "center_crop": 55})
+            shrink = build_eval_transform({"resize": 55, "center_crop": [size, size]})
             bad = {Path(path) for path, _ in record["bad"]}
             for row in (0, 1, len(files) - 1):
-                expected = np.zeros((3, 55, 55), np.uint8) if files[row] in bad else shrink(read_image(files[row])).numpy()
+                expected = (np.zeros((3, size, size), np.uint8) if files[row] in bad
+                            else shrink(read_image(files[row])).numpy())
                 assert np.array_equal(decoded[row], expected), files[row]
             assert not list(data.glob("*.tmp.npy"))
     assert sorted(Path(path).name for record in records for path, _ in record["bad"]) == [
@@ -206,7 +224,8 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     # both processes left out the same two files: else their datasets would differ and training would fail
     left_out = re.findall(r"left out (\d+) unreadable (?:train|val) images", first.output)
     assert sum(map(int, left_out)) == 2
-    assert ("training reads the cache without them" in first.output) == cache
+    assert ("no loader workers: both sets are gathered from the cache" in first.output) == cache
+    assert ("0 loader workers per process for training and evaluation" in first.output) != cache
 
     second = launch(*command, "--output_dir", tmp_path / "second")
     assert second.returncode == 0, second.output
@@ -287,7 +306,7 @@ def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
     """torchrun sends SIGTERM to each process group, DataLoader workers included: the run must still save."""
     output_dir = tmp_path / "run"
     args = ["--data_dir", seedlings, "--output_dir", output_dir, "--model", "resnet18", "--image_size", 32,
-            "--epochs", 6, "--batch_size", 2, "--num_workers", 2]
+            "--epochs", 6, "--batch_size", 2, "--num_workers", 2, "--no-cache_images"]
     log = tmp_path / "log"
     process = subprocess.Popen(launch_command(SCRIPTS / "train_seedlings.py", *args), cwd=REPO, stdout=open(log, "w"),
                                stderr=subprocess.STDOUT, start_new_session=True)
