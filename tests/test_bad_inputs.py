@@ -31,7 +31,8 @@ ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
 TOOLS = {"train_mnist.py": [], "train_cifar.py": [], "train_seedlings.py": [], "benchmark.py": [],
          "predict.py": ["--model_dir", "m", "x.png"], "compute_mean_std.py": ["folder"],
          "split_dataset.py": ["source", "target"], "evaluate.py": ["--model_dir", "m"],
-         "export.py": ["--model_dir", "m", "--output", "m.onnx", "--check_images", "x.png"], "benchmark_folders.py": []}
+         "export.py": ["--model_dir", "m", "--output", "m.onnx", "--check_images", "x.png"], "benchmark_folders.py": [],
+         "benchmark_peers.py": ["seedlings", "--data_dir", "d"]}
 
 
 def assert_refused(result, *phrases):
@@ -86,6 +87,8 @@ BAD_FLAGS = [
     ("predict.py", "--device", "gpu0"), ("evaluate.py", "--batch_size", "0"), ("export.py", "--tolerance", "nan"),
     ("benchmark_folders.py", "--sizes", "1000,x"), ("benchmark.py", "--images", "0"), ("benchmark.py", "--repeats", "0"),
     ("split_dataset.py", "--val_fraction", "1"), ("split_dataset.py", "--seed", "-1"),
+    ("benchmark_peers.py", "--seeds", "-1"), ("benchmark_peers.py", "--target", "1.5"),
+    ("benchmark_peers.py", "--target", "0"), ("benchmark_peers.py", "--epochs", "0"),
     ("train_mnist.py", "--output_dir", ""), ("train_seedlings.py", "--data_dir", " "), ("train_cifar.py", "--resume", ""),
 ]
 
@@ -270,6 +273,25 @@ def test_a_mean_std_file_with_a_zero_std_is_refused_as_such(tmp_path):
                     "--output_dir", tmp_path / "run")
     assert_refused(result, "stds above 0", "A std of 0 means a channel has one value")
     assert "--lr" not in result.output
+
+
+def test_the_peer_benchmark_refuses_a_careless_command_before_it_runs_anything(tmp_path):
+    data = tmp_path / "seedlings"
+    shutil.copytree(ODD_IMAGES.parent / "seedlings", data)
+    cases = [(["seedlings", "--data_dir", tmp_path / "none"], f"{tmp_path / 'none'} not found (--data_dir)"),
+             (["seedlings", "--data_dir", data, "--seed_script", data], "--seed_script is not used by the seedlings task"),
+             (["fashion_mnist", "--data_dir", data, "--peers_dir", data], "--peers_dir is not used by the fashion_mnist"),
+             (["fashion_mnist", "--data_dir", data], "train-images-idx3-ubyte.gz not found (--data_dir: the seed script"),
+             (["seedlings", "--data_dir", data, "--peers_dir", tmp_path], "timm_train.py not found (--peers_dir: timm's"),
+             (["seedlings", "--data_dir", data, "--work_dir", data / "work"], "--work_dir " + str(data / "work") +
+              " is inside the input"),
+             (["seedlings", "--data_dir", data, "--work_dir", data / "Maize" / "006196e1c.png"], "is inside the input")]
+    (tmp_path / "file").write_text("not a folder")
+    cases.append((["seedlings", "--data_dir", data, "--work_dir", tmp_path / "file"], "is a file: choose a folder"))
+    before = snapshot(data)
+    for args, message in cases:
+        assert_refused(script("benchmark_peers.py", *args), message)
+    assert snapshot(data) == before
 
 
 # ---- outputs never land on inputs ----

@@ -176,3 +176,49 @@ def test_folder_benchmark_measures_start_up_and_memory_on_1_and_2_processes(tmp_
                                                      "seed_pipeline"}
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
     assert "| 120 | 2 |" in result.output
+
+
+SHARED = REPO.parent / "shared"  # the peers' scripts live beside the repository, never in it
+
+
+@pytest.mark.parametrize("task", ["seedlings", "fashion_mnist"])
+def test_the_peer_benchmark_times_each_script_to_its_targets_on_a_tiny_budget(tmp_path, seedlings, task):
+    """Ours always runs; the peers (timm's train.py and Accelerate's cv_example.py, or the seed post's script) run
+    where ../shared holds them."""
+    if task == "seedlings":
+        peers, data = SHARED / "peers", seedlings
+        args = ["--image_size", 32, "--batch_size", 16, "--target", 0.05, *(["--peers_dir", peers] if peers.is_dir()
+                                                                             else [])]
+        scripts = ["ours", "timm", "cv_example"] if peers.is_dir() else ["ours"]
+    else:
+        require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
+        from common.mnist import read_idx
+
+        from conftest import write_idx
+
+        data, seed_script = tmp_path / "fashion", SHARED / "refs" / "seed_mnist_ref.py"
+        data.mkdir()
+        for split, count in (("train", 512), ("t10k", 256)):  # the seed script reads .gz files only
+            for kind in ("images-idx3", "labels-idx1"):
+                write_idx(data / f"{split}-{kind}-ubyte.gz", read_idx(FASHION_MNIST / f"{split}-{kind}-ubyte.gz")[:count])
+        args = ["--target", 0.05, *(["--seed_script", seed_script] if seed_script.is_file() else [])]
+        scripts = ["ours", "seed"] if seed_script.is_file() else ["ours"]
+    result = run_command([sys.executable, REPO / "scripts" / "benchmark_peers.py", task, "--data_dir", data,
+                          "--seeds", 42, 1, "--epochs", 1, "--work_dir", tmp_path / "work", "--output",
+                          tmp_path / "peers.json", *args], timeout=900)
+    assert result.returncode == 0, result.output
+    out = json.loads((tmp_path / "peers.json").read_text())
+    assert list(out["runs"]) == scripts and out["seeds"] == [42, 1] and out["cores"] >= 1 and "cpu" in out
+    for name in scripts:
+        for run, times in zip(out["runs"][name], out["time_to_target"][name]["5%"]):
+            (first, _), (last, final) = run["accuracies"][0], run["accuracies"][-1]
+            assert 0 < first <= last <= run["wall_s"] and run["images_per_s"] > 0 and final == run["final_accuracy"]
+            assert times == next((when for when, accuracy in run["accuracies"] if accuracy >= 0.05), None)
+        # a script reaches its own final accuracy at the evaluation that reported it, or earlier
+        assert out["time_to_target"][name][f"{name} final"] == [run["accuracies"][-1][0] for run in out["runs"][name]]
+        assert f"\n| {name} | " in result.output
+    logs = sorted(path.name for path in (tmp_path / "work" / "runs" / "seed1").glob("*.log"))
+    assert logs == sorted(f"{name}.log" for name in scripts)
+    if task == "seedlings":  # ours ran cold: each run checked the images again
+        assert "checked 59 images" in (tmp_path / "work" / "runs" / "seed1" / "ours.log").read_text()
+        assert len(list((tmp_path / "work" / "flat" / "train").glob("*.jpg"))) == 59  # cv_example.py's layout
