@@ -29,13 +29,18 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta=False):
             kept.append(tensor.cpu())
     losses, probabilities, labels, indices = map(torch.cat, (losses, probabilities, labels, indices))
     predictions = probabilities.argmax(1)
-    from sklearn.metrics import f1_score  # imported here: a run needs scikit-learn only once it evaluates
-
     return {"loss": losses.mean().item(), "accuracy": (predictions == labels).float().mean().item(),
-            "macro_f1": f1_score(labels, predictions, average="macro", labels=range(probabilities.shape[1]),
-                                 zero_division=0),
+            "macro_f1": macro_f1(labels, predictions, num_classes=probabilities.shape[1]),
             "samples": len(labels), "predictions": predictions.numpy(), "probabilities": probabilities.numpy(),
             "labels": labels.numpy(), "indices": indices.numpy()}
+
+
+def macro_f1(labels, predictions, *, num_classes):
+    """scikit-learn's f1_score(average="macro", labels=range(num_classes), zero_division=0), without importing
+    scikit-learn (1.6 s) before the first epoch's line: per class 2 TP / (predicted + true), 0 where both are 0."""
+    counts = torch.bincount(labels * num_classes + predictions, minlength=num_classes ** 2).view(num_classes, -1)
+    both = counts.sum(0) + counts.sum(1)
+    return (2 * counts.diag() / both.clamp_min(1)).mean().item()
 
 
 def report_evaluation(accelerator, evaluation, *, output_dir, class_names, files=None, name="test"):

@@ -334,3 +334,18 @@ def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_
     assert result.stdout.strip().splitlines()[-1] == f"precision {expected}", result.stdout
     fell_back = "the accelerate config asks for bf16, which this CPU has no instructions for" in result.stdout
     assert fell_back == (config == "bf16" and expected == "no"), result.stdout
+
+
+def test_macro_f1_is_scikit_learns_with_absent_and_never_predicted_classes():
+    from sklearn.metrics import f1_score
+
+    from common.evaluation import macro_f1
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        classes, samples = int(torch.randint(2, 15, (1,), generator=generator)), int(torch.randint(1, 60, (1,)))
+        labels = torch.randint(0, classes, (samples,), generator=generator)
+        predictions = (labels.clone() if trial % 3 == 0 else torch.zeros_like(labels) if trial % 3 == 1
+                       else torch.randint(0, classes, (samples,), generator=generator))
+        assert macro_f1(labels, predictions, num_classes=classes) == pytest.approx(
+            f1_score(labels, predictions, average="macro", labels=range(classes), zero_division=0), abs=1e-6)
