@@ -92,9 +92,13 @@ def parse_args(argv=None):
 def describe_cpu():
     """The CPU's model and whether it computes bf16 natively: times are comparable only on the same kind."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    sets = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if re.search(rf"\b{name}\b", cpuinfo)]
-    return {"cpu": found.group(1).strip() if found else platform.processor() or "unknown CPU", "cores": len(os.sched_getaffinity(0)), "instruction_sets": sets,
+    fields = {name: re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE) for name in ("model name", "cpu family",
+                                                                                          "model")}
+    name = fields["model name"].group(1).strip() if fields["model name"] else platform.processor() or "unknown CPU"
+    if fields["cpu family"] and fields["model"]:  # a virtual machine may call it only "AMD EPYC"
+        name += f" (family {fields['cpu family'].group(1)}, model {fields['model'].group(1)})"
+    sets = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if re.search(rf"\b{flag}\b", cpuinfo)]
+    return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "instruction_sets": sets,
             "bf16_native": cpu_computes_bf16(), "torch": torch.__version__}
 
 
