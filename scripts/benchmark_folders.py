@@ -94,9 +94,8 @@ def probe(args):
 
     accelerator = build_accelerator()
     train_split, _, classes, _ = find_splits(args.probe, val_fraction=0.3, seed=42)
-    dataset = build_folder_dataset(train_split, skip_bad_images=False,
-                                   cache=training_cache({"resize": resize_size(args.image_size)}) if args.probe_cache else None,
-                                   accelerator=accelerator,
+    cache = training_cache({"resize": resize_size(args.image_size)}) if args.probe_cache else None
+    dataset = build_folder_dataset(train_split, skip_bad_images=False, cache=cache, accelerator=accelerator,
                                    transform=build_train_transform(args.image_size, geometry=False))
     startup, cpu = time.perf_counter() - start, time.process_time() - cpu
     checksum = int(dataset.images[dataset.rows].sum()) if args.probe_cache else 0  # every cached page read in

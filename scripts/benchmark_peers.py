@@ -167,11 +167,12 @@ def commands(args, *, epochs, processes, run_seed, run_dir, data):
                           classes, "--img-size", args.image_size, "--epochs", epochs, "--seed", run_seed, "--device",
                           "cpu", "--opt", "adamw", "--lr", "1e-3", "--weight-decay", 0.05, "--sched", "cosine",
                           "--sched-on-updates", "--warmup-epochs", 0, "--smoothing", 0.1, "--scale", 0.35, 1.0,
-                          "--vflip", 0.5, "--color-jitter", 0, "--batch-size", args.batch_size, "--output", run_dir / "timm",
-                          *(["--amp", "--amp-dtype", "bfloat16"] if bf16 else [])], {})
+                          "--vflip", 0.5, "--color-jitter", 0, "--batch-size", args.batch_size, "--output",
+                          run_dir / "timm", *(["--amp", "--amp-dtype", "bfloat16"] if bf16 else [])], {})
     if args.peers_dir:  # its seed is fixed at 42 in the example: its repeats differ in timing only
-        found["cv_example"] = ([*launch, Path(args.peers_dir) / "cv_example.py", "--data_dir", flat / "train", "--val_dir",
-                                flat / "val", "--cpu", "--recipe", "same", "--mixed_precision", args.mixed_precision],
+        found["cv_example"] = ([*launch, Path(args.peers_dir) / "cv_example.py", "--data_dir", flat / "train",
+                                "--val_dir", flat / "val", "--cpu", "--recipe", "same", "--mixed_precision",
+                                args.mixed_precision],
                                {"CV_BATCH_SIZE": str(args.batch_size // processes), "CV_EPOCHS": str(epochs),
                                 "CV_IMAGE_SIZE": str(args.image_size)})
     return found

@@ -185,8 +185,7 @@ def main(args):
                       f"{'on' if cache_images else 'off'} ({cache_rule}); "
                       + (f"{num_workers} loader workers per process for {' and '.join(workers)} ({workers_rule}); "
                          if workers else "no loader workers: both sets are gathered from the cache; ")
-                      + 
-                      f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
+                      + f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs, patience=args.patience):

@@ -279,10 +279,10 @@ def test_the_peer_benchmark_refuses_a_careless_command_before_it_runs_anything(t
     data = tmp_path / "seedlings"
     shutil.copytree(ODD_IMAGES.parent / "seedlings", data)
     cases = [(["seedlings", "--data_dir", tmp_path / "none"], f"{tmp_path / 'none'} not found (--data_dir)"),
-             (["seedlings", "--data_dir", data, "--seed_script", data], "--seed_script is not used by the seedlings task"),
-             (["fashion_mnist", "--data_dir", data, "--peers_dir", data], "--peers_dir is not used by the fashion_mnist"),
-             (["fashion_mnist", "--data_dir", data], "train-images-idx3-ubyte.gz not found (--data_dir: the seed script"),
-             (["seedlings", "--data_dir", data, "--peers_dir", tmp_path], "timm_train.py not found (--peers_dir: timm's"),
+             (["seedlings", "--data_dir", data, "--seed_script", data], "--seed_script is not used by the seedlings"),
+             (["fashion_mnist", "--data_dir", data, "--peers_dir", data], "--peers_dir is not used by the fashion_mn"),
+             (["fashion_mnist", "--data_dir", data], "train-images-idx3-ubyte.gz not found (--data_dir: the seed"),
+             (["seedlings", "--data_dir", data, "--peers_dir", tmp_path], "timm_train.py not found (--peers_dir: tim"),
              (["seedlings", "--data_dir", data, "--work_dir", data / "work"], "--work_dir " + str(data / "work") +
               " is inside the input"),
              (["seedlings", "--data_dir", data, "--work_dir", data / "Maize" / "006196e1c.png"], "is inside the input")]

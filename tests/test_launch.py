@@ -200,7 +200,8 @@ def test_the_peer_benchmark_times_each_script_to_its_targets_on_a_tiny_budget(tm
         data.mkdir()
         for split, count in (("train", 512), ("t10k", 256)):  # the seed script reads .gz files only
             for kind in ("images-idx3", "labels-idx1"):
-                write_idx(data / f"{split}-{kind}-ubyte.gz", read_idx(FASHION_MNIST / f"{split}-{kind}-ubyte.gz")[:count])
+                images = read_idx(FASHION_MNIST / f"{split}-{kind}-ubyte.gz")[:count]
+                write_idx(data / f"{split}-{kind}-ubyte.gz", images)
         args = ["--target", 0.05, *(["--seed_script", seed_script] if seed_script.is_file() else [])]
         scripts = ["ours", "seed"] if seed_script.is_file() else ["ours"]
     result = run_command([sys.executable, REPO / "scripts" / "benchmark_peers.py", task, "--data_dir", data,

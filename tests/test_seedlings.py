@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from common.errors import UserError
 from common.decode_cache import check_images
-from common.folders import (build_file_dataloader, build_folder_dataset, build_train_transform, choose_cache, find_splits,
-                            training_cache)
+from common.folders import (build_file_dataloader, build_folder_dataset, build_train_transform, choose_cache,
+                            find_splits, training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
@@ -174,7 +174,8 @@ def test_the_cache_without_per_image_work_is_read_in_whole_batches_of_the_good_r
     evaluation = build_folder_dataset(split, transform=None, skip_bad_images=True, cache=spec)
     assert (data / ".checked-train-37to32px.npy").exists() and (data / ".checked-train-37px.npy").exists()
     batch = evaluation.__getitems__(list(range(len(good))))
-    assert all(torch.equal(image, build_eval_transform(spec)(read_image(path))) for image, path in zip(batch["image"], good))
+    assert all(torch.equal(image, build_eval_transform(spec)(read_image(path)))
+               for image, path in zip(batch["image"], good))
 
 
 def test_the_decode_cache_is_the_default_where_the_decoded_images_fit_in_4_gb():
