@@ -6,6 +6,7 @@ description, the arguments). Resuming unpickles only through `torch.load(weights
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -59,6 +60,7 @@ def resolve_args(args, *, parse_args):
     if args.resume == "auto":
         check_same_run(args, checkpoint)
     args = restore_args(args, checkpoint["args"], parse_args=parse_args)
+    args.grad_accum = keep_global_batch(checkpoint, processes=int(os.environ.get("WORLD_SIZE", 1)))
     finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
                                 patience=getattr(args, "patience", None))
     if finished and args.resume == "auto":
@@ -71,6 +73,19 @@ def resolve_args(args, *, parse_args):
         raise UserError(f"checkpoint {checkpoint['path']} is the end of a finished run ({finished}): nothing to "
                         "resume. Its best model is in best/.")
     return args, checkpoint
+
+
+def keep_global_batch(checkpoint, *, processes):
+    """The accumulation steps that keep the checkpoint's global batch on `processes` (8 x 1 -> 4 x 2): a run is
+    defined by its seed and global batch, not by its process count. Refused when they cannot keep it."""
+    per_step = checkpoint["num_processes"] * checkpoint["args"]["grad_accum"]
+    if per_step % processes:
+        counts = " or ".join(str(n) for n in range(1, per_step + 1) if per_step % n == 0)
+        raise UserError(f"checkpoint {checkpoint['path']} trains {per_step} micro-batch(es) of --batch_size "
+                        f"{checkpoint['args']['batch_size']} per optimizer step ({checkpoint['num_processes']} "
+                        f"process(es) x {checkpoint['args']['grad_accum']} accumulation step(s)), which {processes} "
+                        f"processes cannot share out evenly: launch {counts} process(es) to continue it.")
+    return per_step // processes
 
 
 def check_same_run(args, checkpoint):
@@ -180,6 +195,8 @@ def _damage(folder, files):
     return None
 
 
+ORDER = "global micro-batches"  # trainer_state.json's `batch` counts MicroBatches' micro-batches of all processes
+
 # what trainer_state.json must hold, and of which type (it is JSON: a hand edit can put anything there)
 STATE_FIELDS = {"args": dict, "architecture": str, "model_kwargs": dict, "epoch": int, "batch": int, "step": int,
                 "best_accuracy": (int, float), "lr_scheduler": dict, "num_processes": int}
@@ -208,7 +225,7 @@ def _check_state(state):
 
 def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info, output_dir):
     """Restore `find_checkpoint`'s checkpoint into the prepared objects; later checkpoints and metrics lines go.
-    Refuses another model, and a mid-epoch checkpoint of another process count (the data shards would differ)."""
+    Refuses another model. Any process count continues it: resolve_args kept the global batch."""
     path = checkpoint["path"]
     theirs, ours = [(info["architecture"], info["model_kwargs"]) for info in (checkpoint, model_info)]
     if theirs != ours:
@@ -216,13 +233,15 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
                         f"{ours[1]}. Resume it with the script and data it was trained on, or start a new run.")
     check_weights(accelerator.unwrap_model(model, keep_torch_compile=False), path / "model.safetensors",
                   expected=f"{ours[0]} with {ours[1]}")
+    if checkpoint["batch"] and checkpoint.get("order") != ORDER:
+        raise UserError(f"checkpoint {path} was written inside an epoch by an earlier version of these scripts, which "
+                        "shared the samples out otherwise: resume from an epoch_*_end checkpoint.")
     written_by, launched = checkpoint["num_processes"], accelerator.num_processes
-    if checkpoint["batch"] and written_by != launched:
-        raise UserError(f"checkpoint {path} was written inside an epoch by {written_by} processes; this launch has "
-                        f"{launched}. Resume it with {written_by} processes, or from an epoch_*_end checkpoint.")
     if written_by != launched:
-        accelerator.print(f"warning: {path} was written by {written_by} processes and this launch has {launched}: the "
-                          "global batch changes, so the run will not match an uninterrupted one")
+        accelerator.print(f"{path} was written by {written_by} process(es) x {checkpoint['args']['grad_accum']} "
+                          f"accumulation step(s), this launch has {launched} x {accelerator.gradient_accumulation_steps}"
+                          f": the same global batch and samples, so the run goes on as the uninterrupted one, equal "
+                          f"within float rounding (the gradients are summed in another order)")
     try:
         accelerator.load_state(path)
         lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])

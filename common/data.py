@@ -2,6 +2,7 @@
 fetches a whole batch with one index operation, and `preprocess` crops, flips and normalises it on the device."""
 
 import math
+import random
 
 import numpy as np
 import torch
@@ -53,12 +54,64 @@ def _keep_as_is(batch):
     return batch
 
 
-def build_dataloader(dataset, *, batch_size, shuffle, drop_last=False, sampler=None):
-    """A DataLoader whose batches the dataset builds. Its own generator: each pass would otherwise draw from the
-    global RNG, and a run resumed mid-epoch would augment differently. Pinned with a GPU, for non-blocking copies."""
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
-                                       sampler=sampler, drop_last=drop_last, collate_fn=_keep_as_is,
-                                       generator=torch.Generator(), pin_memory=torch.cuda.is_available())
+def build_dataloader(dataset, *, batch_size=1, shuffle=False, batch_sampler=None):
+    """A DataLoader whose batches the dataset builds, drawn by `batch_sampler` (training: MicroBatches) or in
+    batches of `batch_size`. Pinned with a GPU, for non-blocking copies."""
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler,
+                                       collate_fn=_keep_as_is, pin_memory=torch.cuda.is_available())
+
+
+def mix_seed(*numbers):
+    """One 32-bit seed (numpy's limit) from several numbers, e.g. (seed, epoch, micro-batch)."""
+    return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])
+
+
+def seed_everything(seed):
+    """Python's, numpy's and torch's generators (every device's), as accelerate.utils.set_seed without its checks."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class MicroBatches(torch.utils.data.Sampler):
+    """This process's training batches, in one global order that does not depend on the process count.
+
+    Each epoch draws an order of the samples from (seed, epoch) alone (a permutation, or with `weights` a draw with
+    replacement) and cuts it into micro-batches of `batch_size`. An optimizer step takes `per_step` of them, the
+    run's global batch: processes x accumulation steps (2 x 1, 1 x 2), and process p takes the p-th run of
+    `accumulation` micro-batches of each step. Every epoch has the same steps on any process count; the samples
+    after its last full step are left out (another few each epoch). `set_epoch(epoch, start)` goes on from `start`
+    global micro-batches into the epoch, so a checkpoint taken inside an epoch resumes on any process count.
+    """
+
+    def __init__(self, num_samples, *, batch_size, seed, accelerator, weights=None):
+        self.batch_size, self.seed, self.weights = batch_size, seed, weights
+        self.num_samples, self.rank = num_samples, accelerator.process_index
+        self.accumulation = accelerator.gradient_accumulation_steps
+        self.per_step = accelerator.num_processes * self.accumulation
+        self.steps_per_epoch = num_samples // batch_size // self.per_step
+        self.epoch, self.start = 1, 0
+
+    def set_epoch(self, epoch, start=0):
+        assert start % self.per_step == 0, "an epoch is resumed at an optimizer step"
+        self.epoch, self.start = epoch, start
+
+    def __len__(self):
+        return (self.steps_per_epoch - self.start // self.per_step) * self.accumulation
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+        order = (torch.randperm(self.num_samples, generator=generator) if self.weights is None else
+                 torch.multinomial(self.weights, self.num_samples, replacement=True, generator=generator))
+        steps = order[:self.steps_per_epoch * self.per_step * self.batch_size].view(self.steps_per_epoch, -1,
+                                                                                    self.batch_size)
+        mine = steps[:, self.rank * self.accumulation:(self.rank + 1) * self.accumulation]
+        return iter(mine[self.start // self.per_step:].flatten(0, 1).tolist())
+
+    def micro_batch(self, position):
+        """The global index in the epoch of the micro-batch this process trains `position`-th since `start`."""
+        step, within = divmod(self.start // self.per_step * self.accumulation + position, self.accumulation)
+        return step * self.per_step + self.rank * self.accumulation + within
 
 
 def preprocess(images, *, normalize, padding=0, flip=False, cutout=0, erasing=0.0):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
+                               ProjectConfiguration)
 
 from .errors import UserError
 
@@ -31,14 +32,15 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     join_after_restart(cpu=cpu, dist_timeout=dist_timeout)
     accelerator = Accelerator(
         cpu=cpu, mixed_precision=mixed_precision, dynamo_backend="inductor" if compile else None,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else None,
+        # no broadcast of rank 0's buffers before each forward: BatchNormMerge merges the running statistics instead
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)]
+        + ([InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))] if dist_timeout else []),
         gradient_accumulation_steps=grad_accum,
         log_with=None if tracker == "none" else tracker,
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=Path(output_dir) / "logs")
         if output_dir else None,
-        # seedable sampler: the shuffle order depends only on (seed, epoch), the same on every rank and on resume
         # non_blocking: batches (pinned by our loaders) go to the GPU without a host-device sync
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
+        dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
     )
     check_process_count(accelerator)
     if why_fp32:
@@ -102,3 +104,45 @@ def check_process_count(accelerator):
         raise UserError("`accelerate launch --cpu --num_processes N` starts a single process whatever N is. For N "
                         "CPU processes use `accelerate launch --config_file accelerate_configs/cpu.yaml` (set "
                         "num_processes there or pass --num_processes); for one process drop --num_processes.")
+
+
+class BatchNormMerge:
+    """BatchNorm's running statistics after an optimizer step as if one process had trained all of the step's
+    micro-batches in order (MicroBatches gives process p the p-th run of A of them), on every process.
+
+    A running statistic r moves as r <- (1 - m) r + m x per micro-batch: after its A micro-batches process p holds
+    (1 - m)^A r + d_p, and all P x A in order give (1 - m)^(PA) r + sum_p (1 - m)^((P-1-p)A) d_p, one all-reduce.
+    Layers with momentum None (a cumulative average) and SyncBatchNorm's (statistics over the processes) are left
+    as they are. One process: nothing to do."""
+
+    def __init__(self, model, accelerator):
+        self.accelerator, self.start = accelerator, None
+        layers = [module for module in accelerator.unwrap_model(model, keep_torch_compile=False).modules()
+                  if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+                  and not isinstance(module, torch.nn.SyncBatchNorm)] if accelerator.num_processes > 1 else []
+        self.layers = [layer for layer in layers if layer.momentum is not None]
+        if len(self.layers) < len(layers):
+            accelerator.print(f"note: {len(layers) - len(self.layers)} BatchNorm layer(s) with momentum None keep each "
+                              "process's running statistics: the run depends on its process count")
+
+    def keep_start(self):
+        """Before the first micro-batch of a step."""
+        if self.layers:
+            self.start = [torch.cat([layer.running_mean, layer.running_var]) for layer in self.layers]
+
+    @torch.no_grad()
+    def merge(self):
+        """After the step (every process calls it)."""
+        if not self.layers:
+            return
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        accumulation = self.accelerator.gradient_accumulation_steps
+        moved = [(torch.cat([layer.running_mean, layer.running_var]) - (1 - layer.momentum) ** accumulation * start)
+                 * (1 - layer.momentum) ** ((processes - 1 - rank) * accumulation)
+                 for layer, start in zip(self.layers, self.start)]
+        total = self.accelerator.reduce(torch.cat(moved), reduction="sum")
+        for layer, start, part in zip(self.layers, self.start, total.split([len(m) for m in moved])):
+            merged = (1 - layer.momentum) ** (processes * accumulation) * start + part
+            layer.running_mean.copy_(merged[:len(merged) // 2])
+            layer.running_var.copy_(merged[len(merged) // 2:])
+            layer.num_batches_tracked.add_((processes - 1) * accumulation)

@@ -138,7 +138,10 @@ def add_common_args(parser):
                         help="LR schedule, stepped per optimizer step (default: %(default)s)")
     parser.add_argument("--warmup_fraction", type=number(float, min=0, max=1, max_open=True), default=0.2,
                         help="share of the steps spent warming up (onecycle, cosine; default: %(default)s)")
-    parser.add_argument("--grad_accum", type=positive_int, default=1, help="gradient accumulation steps (default: 1)")
+    parser.add_runtime_argument("--grad_accum", type=positive_int, default=1,
+                                help="gradient accumulation steps; the global batch is --batch_size x processes x "
+                                     "this. A resumed run keeps its global batch and sets this from the process count "
+                                     "(default: 1)")
     parser.add_argument("--ema_decay", type=number(float, min=0, max=1, min_open=True, max_open=True), default=None,
                         help="also keep an exponential moving average of the weights (e.g. 0.999), evaluated beside "
                              "them every epoch; best/ takes the better (default: off)")

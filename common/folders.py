@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import InMemoryDataset, build_dataloader
+from .data import InMemoryDataset, build_dataloader, mix_seed
 from .decode_cache import check_images, machine_share
 from .errors import UserError
 from .images import check_classes, folder_entries, list_image_folder, read_image, split_dataset
@@ -159,29 +159,14 @@ class ImageFileDataset(torch.utils.data.Dataset):
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
         # fork_rng: with no workers this runs in the training process, whose own random stream must not move
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(np.random.SeedSequence([self.seed, int(self.epoch), index]).generate_state(1)[0]))
+            torch.manual_seed(mix_seed(self.seed, int(self.epoch), index))
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
 
 
-class ClassBalancedSampler(torch.utils.data.Sampler):
-    """Each class drawn equally often, with replacement; the order depends on (seed, epoch) only, so every process
-    draws the same one for Accelerate to shard, and a resumed epoch skips into it."""
-
-    def __init__(self, labels, *, seed):
-        labels = np.asarray(labels)
-        self.weights = torch.as_tensor(1.0 / np.bincount(labels)[labels], dtype=torch.double)
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __len__(self):
-        return len(self.weights)
-
-    def __iter__(self):
-        seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1)[0])
-        generator = torch.Generator().manual_seed(seed)
-        return iter(torch.multinomial(self.weights, len(self.weights), replacement=True, generator=generator).tolist())
+def balanced_sampling_weights(labels):
+    """Each sample's weight for drawing every class equally often (--sampler balanced, MicroBatches' `weights`)."""
+    labels = np.asarray(labels)
+    return torch.as_tensor(1.0 / np.bincount(labels)[labels], dtype=torch.double)
 
 
 def balanced_class_weights(labels, num_classes):
@@ -221,14 +206,14 @@ def choose_num_workers(given=None):
     return max(1, min(8, cores // local - 1)), f"{cores} cores / {local} processes on this machine, less one"
 
 
-def build_file_dataloader(dataset, *, batch_size, shuffle, drop_last=False, num_workers=None, sampler=None):
+def build_file_dataloader(dataset, *, batch_size=1, shuffle=False, num_workers=None, batch_sampler=None):
     """Persistent workers decode and augment, 4 batches ahead. A dataset that gathers whole batches itself gets
     `build_dataloader`'s loader instead, without workers."""
     if hasattr(dataset, "__getitems__"):
-        return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, sampler=sampler)
+        return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler)
     num_workers = choose_num_workers(num_workers)[0]
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
-                                       sampler=sampler, drop_last=drop_last, num_workers=num_workers,
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler,
+                                       num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
                                        prefetch_factor=4 if num_workers > 0 else None,
                                        generator=torch.Generator(), worker_init_fn=_ignore_sigterm)

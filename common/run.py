@@ -27,10 +27,13 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import send_to_device
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import ORDER, load_checkpoint, save_checkpoint
+from .data import mix_seed, seed_everything
+from .distributed import BatchNormMerge
 from .errors import Interrupted, UserError
 from .models import save_best_model
 from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
@@ -74,15 +77,16 @@ def names_the_last_checkpoint(method):
     return write
 
 
-def count_steps(train_dataloader, *, epochs, grad_accum, max_steps, processes):
-    """The run's optimizer steps over a prepared (sharded) DataLoader; refused when a process would have no batch."""
-    batches = len(train_dataloader)
-    if batches == 0:
-        images, batch_size = len(train_dataloader.dataset), train_dataloader.total_batch_size // processes
+def count_steps(train_dataloader, *, epochs, max_steps):
+    """The run's optimizer steps: the same on any process count (MicroBatches); refused when an epoch has none."""
+    sampler = train_dataloader.batch_sampler
+    if sampler.steps_per_epoch == 0:
+        images, batch_size, per_step = sampler.num_samples, sampler.batch_size, sampler.per_step
         raise UserError(f"{images} training images make {images // batch_size} full batch(es) of --batch_size "
-                        f"{batch_size}, fewer than the {processes} process(es): a process would train on nothing. "
-                        f"Lower --batch_size (to {max(1, images // processes)} at most) or launch fewer processes.")
-    return min(epochs * math.ceil(batches / grad_accum), max_steps or math.inf)
+                        f"{batch_size}, fewer than the {per_step} of one optimizer step ({per_step // sampler.accumulation} "
+                        f"process(es) x {sampler.accumulation} accumulation step(s)): nothing would be trained. Lower "
+                        f"--batch_size (to {max(1, images // per_step)} at most), --grad_accum, or launch fewer processes.")
+    return min(epochs * sampler.steps_per_epoch, max_steps or math.inf)
 
 
 def checkpoint_name(epoch, batch=None):
@@ -102,7 +106,7 @@ class TrainingRun:
         self.num_epochs = self.lr_scheduler = None
         self.in_epoch = False  # inside run.batches()'s loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
-        self._totals = self._nonfinite = self._started = self._pace = self._loss = None
+        self._totals = self._nonfinite = self._started = self._pace = self._loss = self._batchnorm = None
         self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
 
@@ -133,6 +137,7 @@ class TrainingRun:
                               "(--max_restarts) after a process ended: "
                               + (f"the steps after step {self.step} are trained again" if checkpoint else
                                  "no checkpoint had been saved, so the run starts over"))
+        self._batchnorm = BatchNormMerge(model, accelerator)
         catch_sigterm()
 
     # ---- the epoch loop ----
@@ -150,20 +155,23 @@ class TrainingRun:
                 return
 
     def batches(self, train_dataloader):
-        """This process's batches of the epoch, a resumed epoch's trained part skipped; stops at `total_steps`.
-        Its end looks for a nan/inf loss, before the epoch's evaluation, best/ and checkpoint."""
-        train_dataloader.set_epoch(self.epoch)
+        """This process's micro-batches of the epoch on the device, from where a resumed epoch stopped; stops at
+        `total_steps`. Before each, the random generators are seeded from (seed, epoch, micro-batch), so that
+        augmentation, Mixup and dropout draw the same on any process count. Its end looks for a nan/inf loss, before
+        the epoch's evaluation, best/ and checkpoint."""
+        sampler, accelerator = train_dataloader.batch_sampler, self.accelerator
+        sampler.set_epoch(self.epoch, start=self.batch)  # self.batch: global micro-batches trained in the epoch
         if hasattr(train_dataloader.dataset, "set_epoch"):  # a dataset that augments in its workers, seeded by epoch
             train_dataloader.dataset.set_epoch(self.epoch)
-        if self.batch:
-            train_dataloader = self.accelerator.skip_first_batches(train_dataloader, self.batch)
-            train_dataloader.set_epoch(self.epoch)  # Accelerate before PR #4071 starts the skipping loader at epoch 0
         self._start_totals()
         self.in_epoch = True
         progress_bar = tqdm(train_dataloader, desc=f"epoch {self.epoch}", leave=False, dynamic_ncols=True,
-                            mininterval=2, disable=not self.accelerator.is_main_process)
-        for batch in progress_bar:
-            yield batch
+                            mininterval=2, disable=not accelerator.is_main_process)
+        for position, batch in enumerate(progress_bar):
+            seed_everything(mix_seed(sampler.seed, self.epoch, sampler.micro_batch(position)))
+            if position % sampler.accumulation == 0:
+                self._batchnorm.keep_start()
+            yield send_to_device(batch, accelerator.device, non_blocking=accelerator.non_blocking)
             if self._last_look[0] == self.step and self._stepped:  # checkpoint_due() just looked
                 progress_bar.set_postfix(loss=f"{self._last_loss:.3f}", img_s=f"{self._images_per_s():,.0f}",
                                          lr=f"{self.lr_scheduler.get_last_lr()[0]:.2e}")
@@ -183,8 +191,13 @@ class TrainingRun:
         # the first step whose loss is nan/inf, kept on the device: the host sees it at the next look
         self._nonfinite = torch.minimum(self._nonfinite, torch.where(loss.detach().isfinite(), NO_STEP, self.step + 1))
         self._loss, self._stepped = loss, self.accelerator.sync_gradients
-        self.batch += 1
+        self.batch += self.accelerator.num_processes  # global micro-batches, whole at each optimizer step
         self.step += self._stepped
+
+    def merge_batchnorm(self):
+        """After each optimizer step: BatchNorm's running statistics as if one process had trained the whole step
+        (BatchNormMerge), the same on every process and on any process count."""
+        self._batchnorm.merge()
 
     def checkpoint_due(self):
         """Every process asks, after `record`: every `checkpoint_every` steps, or after a SIGTERM on any process.
@@ -230,11 +243,12 @@ class TrainingRun:
         stop = self._compare_notes()  # nothing diverged is saved; every process decides to stop at the same point
         if self.in_epoch:
             name = checkpoint_name(self.epoch, self.batch)
-            state = {"epoch_totals": self._global_totals(), "epoch": self.epoch, "batch": self.batch}
+            state = {"epoch_totals": self._global_totals(), "epoch": self.epoch, "batch": self.batch}  # global
         else:  # resumed at the next epoch's start
             name, state = checkpoint_name(self.epoch), {"epoch": self.epoch + 1, "batch": 0}
         state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,
                      lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
+                     order=ORDER,
                      **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
         if stop:
@@ -286,14 +300,16 @@ class TrainingRun:
 
     def _start_totals(self):
         """A resumed epoch starts from the checkpoint's global totals: each process takes its own sample count, and
-        the main process the loss sum and indices, so the final reduction counts them once."""
+        the main process the loss sum and indices, so that the final reduction counts them once."""
         device = self.accelerator.device
         self._totals = {"loss_sum": torch.zeros((), device=device), "samples": 0, "indices": []}
         self._nonfinite = torch.full((), NO_STEP, device=device)
         saved, self._resumed_totals = self._resumed_totals, None
-        if saved:
-            self._totals["samples"] = saved["samples_per_process"][self.accelerator.process_index]
-            if self.accelerator.is_main_process:
+        if saved:  # written by another process count: the main process takes all of the samples
+            counts, main = saved["samples_per_process"], self.accelerator.is_main_process
+            self._totals["samples"] = (counts[self.accelerator.process_index]
+                                       if len(counts) == self.accelerator.num_processes else sum(counts) * main)
+            if main:
                 self._totals["loss_sum"] += saved["loss_sum"]
                 self._totals["indices"].append(torch.tensor(saved["indices"], dtype=torch.long, device=device))
         self._started, self._resumed_samples, self._last_loss = time.perf_counter(), self._totals["samples"], 0.0

@@ -30,7 +30,7 @@ from accelerate.utils import set_seed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
 from common.cifar import CIFAR10_MEAN, CIFAR10_STD, build_cifar10  # noqa: E402
-from common.data import build_dataloader, hold_out, preprocess  # noqa: E402
+from common.data import MicroBatches, build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
@@ -77,9 +77,11 @@ def main(args):
     # --val_fraction: best/ is chosen on a held-out share of the training set, the test set is scored at the end
     train_set, eval_set = (hold_out(train_set, fraction=args.val_fraction, seed=args.seed) if args.val_fraction
                            else (train_set, test_set))
-    train_dataloader = build_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
-    eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size, shuffle=False)
-    test_dataloader = build_dataloader(test_set, batch_size=args.batch_size, shuffle=False) if args.val_fraction else None
+    # the same micro-batches and global steps on any process count (a run resumes on another one)
+    train_dataloader = build_dataloader(train_set, batch_sampler=MicroBatches(
+        len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator))
+    eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size)
+    test_dataloader = build_dataloader(test_set, batch_size=args.batch_size) if args.val_fraction else None
     train_transform = partial(preprocess, normalize=(CIFAR10_MEAN, CIFAR10_STD), padding=4, flip=True,
                               cutout=args.cutout, erasing=args.random_erasing)
     eval_transform = partial(preprocess, normalize=(CIFAR10_MEAN, CIFAR10_STD))
@@ -95,10 +97,9 @@ def main(args):
     lr, lr_rule = scale_lr(args.lr, base_lr=0.1, base_batch=128, global_batch=global_batch, rule="linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)
-    model, optimizer, train_dataloader, eval_dataloader, test_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, test_dataloader)
-    total_steps = count_steps(train_dataloader, epochs=args.epochs, grad_accum=args.grad_accum,
-                              max_steps=args.max_steps, processes=accelerator.num_processes)
+    model, optimizer, eval_dataloader, test_dataloader = accelerator.prepare(
+        model, optimizer, eval_dataloader, test_dataloader)
+    total_steps = count_steps(train_dataloader, epochs=args.epochs, max_steps=args.max_steps)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -128,6 +129,7 @@ def main(args):
                 optimizer.zero_grad(set_to_none=True)
             if accelerator.sync_gradients:  # one optimizer step, whatever --grad_accum
                 lr_scheduler.step()
+                run.merge_batchnorm()  # running statistics as if one process had trained the whole step
                 if ema:
                     ema.update(model, step=run.step)
             run.record(loss, batch)  # the epoch's totals

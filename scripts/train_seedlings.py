@@ -39,13 +39,13 @@ from timm.data import Mixup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
-from common.data import InMemoryDataset, preprocess  # noqa: E402
+from common.data import InMemoryDataset, MicroBatches, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
                           nonnegative_int, number, positive_int, probability)
-from common.folders import (ClassBalancedSampler, balanced_class_weights, build_file_dataloader,  # noqa: E402
+from common.folders import (balanced_class_weights, balanced_sampling_weights, build_file_dataloader,  # noqa: E402
                             build_folder_dataset, build_train_transform, choose_cache, choose_num_workers,
                             find_splits, random_resized_crop, read_mean_std, training_cache)
 from common.images import build_eval_transform  # noqa: E402
@@ -129,13 +129,12 @@ def main(args):
                            ("unreadable val images", eval_set.left_out)):
         if left_out:
             accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
-    # drop_last: every training batch is full, so even (mixup) and the same size on every process
-    sampler = ClassBalancedSampler(train_set.labels, seed=args.seed) if args.sampler == "balanced" else None
+    # the same micro-batches and global steps on any process count (a run resumes on another one); every batch full
+    weights = balanced_sampling_weights(train_set.labels) if args.sampler == "balanced" else None
     num_workers, workers_rule = choose_num_workers(args.num_workers)
-    train_dataloader = build_file_dataloader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                             num_workers=num_workers, sampler=sampler)
-    eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, shuffle=False,
-                                            num_workers=num_workers)
+    train_dataloader = build_file_dataloader(train_set, num_workers=num_workers, batch_sampler=MicroBatches(
+        len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator, weights=weights))
+    eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, num_workers=num_workers)
     normalise = partial(preprocess, normalize=(mean, std), erasing=args.random_erasing)  # on the device
 
     def train_transform(images):
@@ -157,10 +156,8 @@ def main(args):
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=1e-4, base_batch=32, global_batch=global_batch, rule="sqrt")
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=args.weight_decay)
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader)
-    total_steps = count_steps(train_dataloader, epochs=args.epochs, grad_accum=args.grad_accum,
-                              max_steps=args.max_steps, processes=accelerator.num_processes)
+    model, optimizer, eval_dataloader = accelerator.prepare(model, optimizer, eval_dataloader)
+    total_steps = count_steps(train_dataloader, epochs=args.epochs, max_steps=args.max_steps)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction, min_lr_ratio=1e-6 / lr)
     mixup = Mixup(mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, prob=args.mixup_prob,
@@ -185,8 +182,9 @@ def main(args):
                       f"{'on' if cache_images else 'off'} ({cache_rule}); "
                       + (f"{num_workers} loader workers per process for {' and '.join(workers)} ({workers_rule}); "
                          if workers else "no loader workers: both sets are gathered from the cache; ")
-                      + f"SyncBatchNorm {'on' if sync_bn else 'off'}; "
-                      f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
+                      + ("SyncBatchNorm on (its statistics span the processes: a resumed run matches an uninterrupted "
+                         "one only on the same process count); " if sync_bn else "SyncBatchNorm off; ")
+                      + f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
 
     for epoch in run.epochs(args.epochs, patience=args.patience):
         model.train()
@@ -202,6 +200,7 @@ def main(args):
                 optimizer.zero_grad(set_to_none=True)
             if accelerator.sync_gradients:  # one optimizer step, whatever --grad_accum
                 lr_scheduler.step()
+                run.merge_batchnorm()  # running statistics as if one process had trained the whole step
                 if ema:
                     ema.update(model, step=run.step)
             run.record(loss, batch)  # the epoch's totals

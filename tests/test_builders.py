@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -349,3 +350,36 @@ def test_macro_f1_is_scikit_learns_with_absent_and_never_predicted_classes():
                        else torch.randint(0, classes, (samples,), generator=generator))
         assert macro_f1(labels, predictions, num_classes=classes) == pytest.approx(
             f1_score(labels, predictions, average="macro", labels=range(classes), zero_division=0), abs=1e-6)
+
+
+def test_micro_batches_are_the_same_global_steps_on_any_process_count():
+    """8 x 1, 4 x 2, 2 x 4 and 1 x 8 (processes x accumulation steps) train the same micro-batches in each optimizer
+    step, and a resumed epoch goes on at the same one, whichever count wrote the checkpoint."""
+    from common.data import MicroBatches
+
+    def steps(processes, accumulation, start=0):
+        """Each optimizer step of epoch 3 as its set of micro-batches (tuples), and their global indices."""
+        per_process = []
+        for rank in range(processes):
+            accelerator = SimpleNamespace(process_index=rank, num_processes=processes,
+                                          gradient_accumulation_steps=accumulation)
+            sampler = MicroBatches(1000, batch_size=10, seed=7, accelerator=accelerator)
+            sampler.set_epoch(3, start=start)
+            batches = list(sampler)
+            assert len(batches) == len(sampler) and all(len(batch) == 10 for batch in batches)
+            per_process.append([(sampler.micro_batch(i), tuple(batch)) for i, batch in enumerate(batches)])
+        return [sorted(sum((mine[step * accumulation:(step + 1) * accumulation] for mine in per_process), []))
+                for step in range(len(per_process[0]) // accumulation)]
+
+    reference = steps(1, 8)
+    assert len(reference) == 12  # 100 micro-batches of 10 make 12 steps of 8; the last 4 are left out this epoch
+    assert [index for index, _ in sum(reference, [])] == list(range(96))  # micro-batches 0-95, in order
+    samples = [i for step in reference for _, batch in step for i in batch]
+    assert len(set(samples)) == len(samples) == 960
+    for processes, accumulation in ((8, 1), (4, 2), (2, 4)):
+        assert steps(processes, accumulation) == reference
+        assert steps(processes, accumulation, start=5 * 8) == reference[5:]  # resumed after 5 steps
+    other_epoch = MicroBatches(1000, batch_size=10, seed=7, accelerator=SimpleNamespace(
+        process_index=0, num_processes=1, gradient_accumulation_steps=8))
+    other_epoch.set_epoch(4)
+    assert [tuple(batch) for batch in other_epoch] != [batch for step in reference for _, batch in step]

@@ -135,7 +135,7 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
     import time
 
     import common.run
-    from common.data import build_dataloader, preprocess
+    from common.data import MicroBatches, build_dataloader, preprocess
     from common.mnist import build_digits
     from common.distributed import build_accelerator
     from common.errors import Interrupted
@@ -146,8 +146,9 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
     train_set, _ = build_digits()
     model = build_model("mnist_convnet", num_classes=10, in_chans=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, build_dataloader(train_set, batch_size=16,
-                                                                                       shuffle=True))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = build_dataloader(train_set, batch_sampler=MicroBatches(len(train_set), batch_size=16, seed=0,
+                                                                    accelerator=accelerator))
     lr_scheduler = build_lr_scheduler(optimizer, schedule="constant", total_steps=1000)
     info = describe_model("mnist_convnet", train_set.classes, image_size=(8, 8), normalize=((0.0,), (1.0,)),
                           dataset="digits", arguments={})

@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -327,17 +328,18 @@ def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 6
 
 
-def test_class_balanced_sampler_and_weights():
-    from common.folders import ClassBalancedSampler, balanced_class_weights
+def test_class_balanced_draw_and_weights():
+    from common.data import MicroBatches
+    from common.folders import balanced_class_weights, balanced_sampling_weights
 
     labels = [0] * 90 + [1] * 10
-    sampler = ClassBalancedSampler(labels, seed=42)
-    sampler.set_epoch(1)
+    one = SimpleNamespace(process_index=0, num_processes=1, gradient_accumulation_steps=1)
+    sampler = MicroBatches(100, batch_size=10, seed=42, accelerator=one, weights=balanced_sampling_weights(labels))
     first = list(sampler)
-    assert first == list(sampler) and len(first) == 100  # a function of (seed, epoch): every process agrees
+    assert first == list(sampler) and sum(map(len, first)) == 100  # a function of (seed, epoch): every process agrees
     sampler.set_epoch(2)
     assert list(sampler) != first
-    drawn = [labels[i] for epoch in range(20) for i in (sampler.set_epoch(epoch) or sampler)]
+    drawn = [labels[i] for epoch in range(20) for batch in (sampler.set_epoch(epoch) or sampler) for i in batch]
     assert 0.45 < sum(drawn) / len(drawn) < 0.55  # the 10% class is drawn half of the time
     assert balanced_class_weights(labels, 2).tolist() == pytest.approx([100 / 180, 100 / 20])
 
