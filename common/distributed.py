@@ -17,6 +17,9 @@ from .errors import UserError
 # and --compile under DDP, whose buffer broadcast Dynamo cannot trace and runs uncompiled
 warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
 warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the builtin `torch._C._distributed_c10d")
+# recent torch deprecates DDP's broadcast_buffers for forward_sync_buffers, which older versions lack (BatchNormMerge
+# needs the buffers left alone)
+warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
 
 
 def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None,

@@ -16,22 +16,21 @@ from common.run import checkpoint_name
 from common.errors import UserError, run_main
 from common.checkpoint import restore_args
 from common.reporting import read_metrics
-from conftest import (REPO, fill, kill_everything, launch_command, load_script, run_command, small_disk, spawn,
-                      wait_for, worker_pid)
+from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
+                      launch_command, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
-# 43 steps per epoch on 2 processes, 85 on 1: long enough to stop a run in the middle of it
+# 42 steps per epoch on 2 processes, 84 on 1: long enough to stop a run in the middle of it
 DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
-TIMES = ("images_per_s", "train_time_s", "epoch_time_s")
 
 
 def train_command(*args, processes, script=MNIST):
     return launch_command(script, *args, processes=processes) if processes > 1 else [sys.executable, script, *args]
 
 
-def train(*args, processes=1, script=MNIST):
-    return run_command(train_command(*args, processes=processes, script=script))
+def train(*args, processes=1, script=MNIST, env=None):
+    return run_command(train_command(*args, processes=processes, script=script), env=env)
 
 
 def refused(script, *args, capsys):
@@ -43,9 +42,9 @@ def refused(script, *args, capsys):
     return capsys.readouterr().err
 
 
-def start(*args, processes, log):
+def start(*args, processes, log, env=None):
     """A training run in the background (its own process group), output to `log`."""
-    return spawn(train_command(*args, processes=processes), log=log)
+    return spawn(train_command(*args, processes=processes), log=log, env=env)
 
 
 def metrics(output_dir):
@@ -53,21 +52,10 @@ def metrics(output_dir):
     return [{k: v for k, v in record.items() if k not in TIMES} for record in records]
 
 
-def assert_same_run(run, reference):
-    """Same weights, optimizer state, metrics and best-model predictions as the uninterrupted run."""
-    for name in ("checkpoints/epoch_004_end/model.safetensors", "best/model.safetensors"):
-        ours, theirs = load_file(run / name), load_file(reference / name)
-        assert ours.keys() == theirs.keys()
-        assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-6) for k in ours), name
-    ours, theirs = (torch.load(r / "checkpoints/epoch_004_end/optimizer.bin", weights_only=True)["state"]
-                    for r in (run, reference))
-    assert all(torch.allclose(ours[i]["exp_avg_sq"], theirs[i]["exp_avg_sq"], atol=1e-8) for i in theirs)
-    ours, theirs = metrics(run), metrics(reference)
-    assert len(ours) == len(theirs) == 4
-    for record, expected in zip(ours, theirs):
-        assert record.keys() == expected.keys()
-        assert all(record[k] == pytest.approx(expected[k], rel=1e-6) for k in record), (record, expected)
-    assert (run / "best" / "val_predictions.csv").read_text() == (reference / "best" / "val_predictions.csv").read_text()
+def assert_same_run(run, reference, *, rel=1e-6, per_process=True):
+    """Same weights, optimizer state, metrics and best-model predictions as the uninterrupted 4-epoch run."""
+    assert len(metrics(run)) == 4
+    assert_same_outcome(run, reference, checkpoint="checkpoints/epoch_004_end", rel=rel, per_process=per_process)
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +187,46 @@ def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, 
     assert resumed.returncode == 0, resumed.output
     assert f"resumed from {output_dir / 'checkpoints' / latest}" in resumed.output
     assert_same_run(output_dir, reference(processes))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the_uninterrupted_run(
+        tmp_path, reference, first, then):
+    """A run is its seed and global batch: 2 x 1 (processes x accumulation steps) stopped by SIGTERM inside an epoch
+    and continued as 1 x 2, or started as 1 x 2 and continued on 2 processes, ends as the uninterrupted 2 x 1 run."""
+    output_dir = tmp_path / "run"
+    command = [*DIGITS, "--output_dir", output_dir, *(["--grad_accum", 2] if first == 1 else [])]
+    process = start(*command, processes=first, log=tmp_path / "log", env=ONE_THREAD)
+    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest), (tmp_path / "log").read_text()  # inside an epoch
+
+    resumed = train(*command, "--resume", "latest", processes=then, env=ONE_THREAD)  # the same command
+    assert resumed.returncode == 0, resumed.output
+    assert (f"was written by {first} process(es) x {2 // first} accumulation step(s), this launch has {then} x "
+            f"{2 // then}: the same global batch and samples") in resumed.output
+    assert f"global batch 32 = 16 per process x {then} processes x {2 // then} accumulation steps" in resumed.output
+    assert_same_run(output_dir, reference(2), rel=ACROSS_COUNTS, per_process=False)
+    for record in metrics(output_dir):  # 1,347 images: 42 steps of 32, the 3 left over a different 3 each epoch
+        assert record["train_samples"] == record["train_unique_samples"] == 42 * 32
+        assert sum(record["train_samples_per_process"]) == 42 * 32
+
+
+def test_a_process_count_that_cannot_keep_the_global_batch_is_refused_naming_those_that_can(tmp_path):
+    from common.checkpoint import keep_global_batch
+
+    checkpoint = {"path": tmp_path / "epoch_002_batch_000012", "num_processes": 2,
+                  "args": {"grad_accum": 3, "batch_size": 16}}
+    assert [keep_global_batch(checkpoint, processes=n) for n in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(UserError) as refusal:
+        keep_global_batch(checkpoint, processes=4)
+    assert str(refusal.value) == (f"checkpoint {tmp_path / 'epoch_002_batch_000012'} trains 6 micro-batch(es) of "
+                                  "--batch_size 16 per optimizer step (2 process(es) x 3 accumulation step(s)), which "
+                                  "4 processes cannot share out evenly: launch 1 or 2 or 3 or 6 process(es) to "
+                                  "continue it.")
 
 
 @pytest.mark.slow

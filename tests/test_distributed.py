@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from safetensors.torch import load_file
 
 from common.mnist import build_digits
 from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
-                      kill_everything, launch_command, read_run, run_command, spawn, wait_for, worker_pid)
+                      descendants, kill_everything, launch_command, read_run, run_command, spawn, wait_for,
+                      worker_pid)
 
 pytestmark = pytest.mark.slow
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -144,6 +146,42 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     assert all(torch.allclose(weights[0][k].float(), weights[1][k].float(), atol=1e-6) for k in weights[1])
 
 
+def test_an_elastic_launch_that_loses_a_machine_goes_on_with_the_other_and_ends_by_itself(tmp_path):
+    """torchrun's c10d rendezvous with --nnodes 1:2 on two loopback machines, one process each: machine 1 (its
+    launcher and its process) is killed after the first checkpoint; machine 0's process fails on the lost peer,
+    its launcher meets alone and starts it again, and it goes on from checkpoints/latest as 1 process x 2
+    accumulation steps, with the global batch, the steps and the samples of the 2-process run."""
+    port, output_dir = free_port(), tmp_path / "run"
+    args = ["--dataset", "digits", "--epochs", 6, "--batch_size", 16, "--output_dir", output_dir, "--resume", "auto"]
+
+    def machine(is_host):
+        return spawn([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", 1,
+                      "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "elastic",
+                      "--max_restarts", 3, "--rdzv_conf", f"is_host={is_host},last_call_timeout=5,"
+                      "keep_alive_interval=1,keep_alive_max_attempt=2", MNIST, *args],
+                     log=tmp_path / f"machine{1 - is_host}.log")
+
+    first = machine(is_host=1)  # serves the rendezvous store
+    second = machine(is_host=0)
+    try:
+        wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), second)
+        kill_everything(second)  # the machine is gone: launcher and process
+        assert first.wait(timeout=300) == 0, (tmp_path / "machine0.log").read_text()
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                kill_everything(process)
+    output = (tmp_path / "machine0.log").read_text()
+    assert "this launch has 1 x 2: the same global batch and samples" in output, output
+    metrics, report = read_run(output_dir)
+    assert [record["epoch"] for record in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [record["step"] for record in metrics] == [42 * epoch for epoch in range(1, 7)]  # 1,347 // 32 a epoch
+    for record in metrics:  # every training sample once per epoch, the restarted epoch included
+        assert record["train_samples"] == record["train_unique_samples"] == 42 * 32
+    assert len(metrics[0]["train_samples_per_process"]) == 2 and len(metrics[-1]["train_samples_per_process"]) == 1
+    assert_each_test_sample_counted_once(metrics, report, DIGITS_TEST_SET.labels, DIGITS_TEST_SET.classes)
+
+
 def test_two_machines_each_decode_the_image_cache_once_into_one_shared_file(tmp_path, seedlings):
     """--cache_images on two "machines" sharing the data folder: each machine decodes the images once (its
     one process, here) under a temporary name of its own and renames it to the same file; both train."""
@@ -186,9 +224,9 @@ def test_a_machine_that_fails_at_the_start_ends_the_other_one_too(tmp_path, cifa
     assert 'train_cifar.py", line' not in out0 + out1
 
 
-def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tmp_path):
-    """The batch file under a stand-in `srun` that runs its command once per node, on this machine. Slurm's
-    SIGTERM before the time limit stops the job with a checkpoint; the requeued job continues from it."""
+def slurm_job(tmp_path, **environment):
+    """The batch file's command and environment under a stand-in `srun` that runs its command once per node, on
+    this machine, each node's output in tmp_path/nodeN.log."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
@@ -198,17 +236,24 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
                 'wait $job || status=1; done\nexit $status\n',
         "scontrol": '#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n',  # `scontrol show hostnames`: first node first
         "accelerate": f'#!/bin/bash\nexec {sys.executable} -m accelerate.commands.accelerate_cli "$@"\n',
+        "torchrun": f'#!/bin/bash\nexec {sys.executable} -m torch.distributed.run "$@"\n',
     }
     for name, text in fakes.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    output_dir = tmp_path / "run"
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path), "SLURM_SUBMIT_DIR": str(REPO),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
            "SCRIPT": "scripts/train_mnist.py", "CONFIG": "accelerate_configs/cpu.yaml", "GPUS_PER_NODE": "1",
-           "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(output_dir)}
+           "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(tmp_path / "run"), **environment}
     job = ["bash", REPO / "scripts" / "slurm" / "train_multinode.sbatch", "--dataset", "digits", "--epochs", 4,
            "--batch_size", 16]
+    return job, env
+
+
+def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tmp_path):
+    """Slurm's SIGTERM before the time limit stops the job with a checkpoint; the requeued job continues from it."""
+    job, env = slurm_job(tmp_path)
+    output_dir = tmp_path / "run"
 
     first = spawn(job, log=tmp_path / "first.log", env=env)
     try:
@@ -228,7 +273,7 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     assert f"2 nodes x 1 processes, main 127.0.0.1:{env['MAIN_PORT']}, output {output_dir}" in (
         tmp_path / "first.log").read_text()
     for log in logs:
-        assert re.search(r"172 optimizer steps, lr .*; 2 process\(es\), MULTI_CPU", log), log  # one job of 2 processes
+        assert re.search(r"168 optimizer steps, lr .*; 2 process\(es\), MULTI_CPU", log), log  # one job of 2 processes
     assert re.search(r"stopped by SIGTERM at epoch [2-4], step \d+: saved", logs[0]), logs[0]
 
     requeued = run_command(job, env=env)  # the same job started again, as `--requeue` does
@@ -239,6 +284,30 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     metrics, report = read_run(output_dir)
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
     assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=16)
+
+
+def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path):
+    """MIN_NODES=1: the batch file launches torchrun with c10d and --nnodes 1:2; node 1's launcher and process are
+    killed after the first checkpoint (a node failure under `sbatch --no-kill`), node 0 finishes the run alone."""
+    job, env = slurm_job(tmp_path, MIN_NODES="1")
+    output_dir = tmp_path / "run"
+    process = spawn(job, log=tmp_path / "job.log", env=env)
+    try:
+        wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
+        node1 = [pid for pid in descendants(process.pid) if b"torch.distributed.run" in Path(
+            f"/proc/{pid}/cmdline").read_bytes() and b"SLURM_NODEID=1" in Path(f"/proc/{pid}/environ").read_bytes()]
+        for pid in descendants(node1[0]):
+            os.kill(pid, signal.SIGKILL)
+        assert process.wait(timeout=300) == 1  # srun counts the lost node's task
+    finally:
+        kill_everything(process)
+    assert "2 nodes (elastic: at least 1) x 1 processes" in (tmp_path / "job.log").read_text()
+    output = (tmp_path / "node0.log").read_text()
+    assert "this launch has 1 x 2: the same global batch and samples" in output, output
+    metrics, report = read_run(output_dir)
+    assert [record["step"] for record in metrics] == [42, 84, 126, 168]
+    assert all(record["train_samples"] == record["train_unique_samples"] == 42 * 32 for record in metrics)
+    assert_each_test_sample_counted_once(metrics, report, DIGITS_TEST_SET.labels, DIGITS_TEST_SET.classes)
 
 
 # ---- a process fails ----

@@ -25,7 +25,8 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
                             find_splits, training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import FIXTURES, REPO, launch, launch_command, run_command, script
+from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_same_outcome, launch, launch_command, run_command,
+                      script, spawn, wait_for)
 
 SCRIPTS = REPO / "scripts"
 
@@ -326,6 +327,33 @@ def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
                      "--data_dir", seedlings)
     assert resumed.returncode == 0, resumed.output
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+@pytest.mark.slow
+def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_one_process_as_the_uninterrupted_run(
+        tmp_path, seedlings):
+    """The decode cache's path with Mixup/CutMix on every batch and an EMA: augmentation and mixing are drawn per
+    micro-batch from (seed, epoch, micro-batch), so 2 x 1 stopped by SIGTERM inside an epoch and continued as 1 x 2
+    ends as the uninterrupted 2 x 1 run: weights, EMA weights, optimizer, metrics and predictions."""
+    command = [SCRIPTS / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18", "--image_size", 32,
+               "--epochs", 3, "--batch_size", 4, "--cache_images", "--mixup_prob", 1.0, "--ema_decay", 0.9]
+    reference = launch(*command, "--output_dir", tmp_path / "reference")
+    assert reference.returncode == 0, reference.output
+    output_dir = tmp_path / "run"
+    command += ["--output_dir", output_dir, "--checkpoint_every", 1]  # a SIGTERM is obeyed at the next step
+    process = spawn(launch_command(*command), log=tmp_path / "log")
+    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert re.fullmatch(r"epoch_00[23]_batch_\d{6}", latest), (tmp_path / "log").read_text()
+
+    resumed = run_command([sys.executable, *command, "--resume", "latest"], env=ONE_THREAD)
+    assert resumed.returncode == 0, resumed.output
+    assert "this launch has 1 x 2: the same global batch and samples" in resumed.output
+    assert_same_outcome(output_dir, tmp_path / "reference", checkpoint="checkpoints/epoch_003_end", rel=ACROSS_COUNTS,
+                        per_process=False)
+    assert (output_dir / "checkpoints" / "epoch_003_end" / "model_1.safetensors").exists()  # the EMA was compared
 
 
 def test_class_balanced_draw_and_weights():
