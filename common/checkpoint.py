@@ -239,12 +239,16 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
     written_by, launched = checkpoint["num_processes"], accelerator.num_processes
     if written_by != launched:
         accelerator.print(f"{path} was written by {written_by} process(es) x {checkpoint['args']['grad_accum']} "
-                          f"accumulation step(s), this launch has {launched} x {accelerator.gradient_accumulation_steps}"
-                          f": the same global batch and samples, so the run goes on as the uninterrupted one, equal "
-                          f"within float rounding (the gradients are summed in another order)")
+                          f"accumulation step(s), this launch has {launched} x "
+                          f"{accelerator.gradient_accumulation_steps}: the same global batch and samples, so the "
+                          "run goes on as the uninterrupted one, equal within float rounding (the gradients are "
+                          "summed in another order)")
     try:
         accelerator.load_state(path)
         lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+        # checkpoints are taken at optimizer steps: the next micro-batch starts one. load_state restores Accelerate's
+        # count of micro-batches, which another number of accumulation steps would cut at the wrong place
+        accelerator.step = 0
     except (RuntimeError, OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
         raise UserError(f"checkpoint {path} is damaged ({error}); resume from an earlier one in "
                         f"{path.parent}") from None

@@ -83,9 +83,10 @@ def count_steps(train_dataloader, *, epochs, max_steps):
     if sampler.steps_per_epoch == 0:
         images, batch_size, per_step = sampler.num_samples, sampler.batch_size, sampler.per_step
         raise UserError(f"{images} training images make {images // batch_size} full batch(es) of --batch_size "
-                        f"{batch_size}, fewer than the {per_step} of one optimizer step ({per_step // sampler.accumulation} "
-                        f"process(es) x {sampler.accumulation} accumulation step(s)): nothing would be trained. Lower "
-                        f"--batch_size (to {max(1, images // per_step)} at most), --grad_accum, or launch fewer processes.")
+                        f"{batch_size}, fewer than the {per_step} of one optimizer step "
+                        f"({per_step // sampler.accumulation} process(es) x {sampler.accumulation} accumulation "
+                        f"step(s)): nothing would be trained. Lower --batch_size (to {max(1, images // per_step)} at "
+                        "most), --grad_accum, or launch fewer processes.")
     return min(epochs * sampler.steps_per_epoch, max_steps or math.inf)
 
 

@@ -344,7 +344,7 @@ def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_un
         kill_everything(launcher)
     output = (tmp_path / "log").read_text()
     assert code == 0, output
-    found = re.search(r"resumed from \S+/(epoch_00[1-4]_batch_\d{6}): epoch \d, batch \d+, step (\d+) of 172\n"
+    found = re.search(r"resumed from \S+/(epoch_00[1-4]_batch_\d{6}): epoch \d, batch \d+, step (\d+) of 168\n"
                       r"restart 1 of at most 1 \(--max_restarts\) after a process ended: the steps after step "
                       r"(\d+) are trained again", output)
     assert found and found.group(2) == found.group(3), output
@@ -386,7 +386,7 @@ def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
 def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_nothing_to_do(tmp_path, reference,
                                                                                          capsys):
     """A requeued job or a restart that finds the run finished ends with exit 0 (`auto`); `latest` refuses. The
-    2-process run's 44 steps are not the 86 of one process: finished is counted in epochs."""
+    2-process run's 168 steps are not the 336 of one (--grad_accum 1 on both): finished is counted in epochs."""
     finished = tmp_path / "finished"
     shutil.copytree(reference(2), finished)
     module = load_script("train_mnist.py")

@@ -115,7 +115,8 @@ def test_val_fraction_chooses_best_on_validation_and_scores_the_test_set_once_as
     assert "digits: 1077 train / 270 validation images / 450 test," in result.output
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [record["val_samples"] for record in records] == [270] * 3  # best/ is chosen on validation ...
-    assert all(record["train_unique_samples"] == 1077 for record in records)
+    # 1077 // 128: 8 steps of 2 processes x 64 an epoch
+    assert all(record["train_unique_samples"] == record["train_samples"] == 8 * 128 for record in records)
     tested = rows(output_dir / "test" / "predictions.csv")  # ... and the test set scored once, with best/
     assert [int(row["index"]) for row in tested] == list(range(450))
     accuracy = np.mean([row["label"] == row["prediction"] for row in tested])

@@ -268,13 +268,14 @@ def test_odd_folders_are_named(tmp_path, seedlings):
 
 @pytest.mark.slow
 def test_a_split_too_small_for_every_process_to_get_a_batch_is_one_message(tmp_path, seedlings):
-    """59 training images make one full batch of 32: with 2 processes one would train on nothing (before: both
-    ended in an UnboundLocalError after '0 optimizer steps')."""
+    """59 training images make one full batch of 32, and one optimizer step of 2 processes takes 2: nothing would
+    be trained (before: both ended in an UnboundLocalError after '0 optimizer steps')."""
     result = run_command(launch_command(SEEDLINGS, "--data_dir", seedlings, "--output_dir", tmp_path / "run", "--model",
                                         "resnet18", "--image_size", 32, "--batch_size", 32, "--num_workers", 1))
     assert result.returncode != 0
-    assert ("59 training images make 1 full batch(es) of --batch_size 32, fewer than the 2 process(es): a process "
-            "would train on nothing. Lower --batch_size (to 29 at most) or launch fewer processes.") in result.output
+    assert ("59 training images make 1 full batch(es) of --batch_size 32, fewer than the 2 of one optimizer step (2 "
+            "process(es) x 1 accumulation step(s)): nothing would be trained. Lower --batch_size (to 29 at most), "
+            "--grad_accum, or launch fewer processes.") in result.output
     assert "Traceback" not in result.output.split("Root Cause")[1], result.output
 
 

@@ -25,8 +25,8 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
                             find_splits, training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_same_outcome, launch, launch_command, run_command,
-                      script, spawn, wait_for)
+from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_same_outcome, launch, launch_command,
+                      run_command, script, spawn, wait_for)
 
 SCRIPTS = REPO / "scripts"
 
