@@ -6,6 +6,7 @@
         model.train()
         for batch in run.batches(train_dataloader):
             ...forward, loss, accelerator.backward, clip, optimizer and schedule step...
+            run.merge_batchnorm()  # after an optimizer step: BatchNorm's statistics as one process would have them
             run.record(loss, batch)
             if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
                 run.save_checkpoint()  # after a SIGTERM the run stops here, saved
@@ -249,8 +250,7 @@ class TrainingRun:
             name, state = checkpoint_name(self.epoch), {"epoch": self.epoch + 1, "batch": 0}
         state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,
                      lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
-                     order=ORDER,
-                     **self.model_info)
+                     order=ORDER, **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
         if stop:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
