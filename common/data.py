@@ -2,7 +2,6 @@
 fetches a whole batch with one index operation, and `preprocess` crops, flips and normalises it on the device."""
 
 import math
-import random
 
 import numpy as np
 import torch
@@ -64,13 +63,6 @@ def build_dataloader(dataset, *, batch_size=1, shuffle=False, batch_sampler=None
 def mix_seed(*numbers):
     """One 32-bit seed (numpy's limit) from several numbers, e.g. (seed, epoch, micro-batch)."""
     return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])
-
-
-def seed_everything(seed):
-    """Python's, numpy's and torch's generators (every device's), as accelerate.utils.set_seed without its checks."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class MicroBatches(torch.utils.data.Sampler):

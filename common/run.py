@@ -5,8 +5,10 @@
     for epoch in run.epochs(args.epochs):
         model.train()
         for batch in run.batches(train_dataloader):
-            ...forward, loss, accelerator.backward, clip, optimizer and schedule step...
-            run.merge_batchnorm()  # after an optimizer step: BatchNorm's statistics as one process would have them
+            ...forward, loss, accelerator.backward, clip, optimizer step...
+            if accelerator.sync_gradients:  # an optimizer step
+                lr_scheduler.step()
+                run.merge_batchnorm()  # BatchNorm's running statistics as one process would have them
             run.record(loss, batch)
             if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
                 run.save_checkpoint()  # after a SIGTERM the run stops here, saved
@@ -28,12 +30,12 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import send_to_device
+from accelerate.utils import send_to_device, set_seed
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
-from .data import mix_seed, seed_everything
+from .data import mix_seed
 from .distributed import BatchNormMerge
 from .errors import Interrupted, UserError
 from .models import save_best_model
@@ -170,7 +172,7 @@ class TrainingRun:
         progress_bar = tqdm(train_dataloader, desc=f"epoch {self.epoch}", leave=False, dynamic_ncols=True,
                             mininterval=2, disable=not accelerator.is_main_process)
         for position, batch in enumerate(progress_bar):
-            seed_everything(mix_seed(sampler.seed, self.epoch, sampler.micro_batch(position)))
+            set_seed(mix_seed(sampler.seed, self.epoch, sampler.micro_batch(position)))
             if position % sampler.accumulation == 0:
                 self._batchnorm.keep_start()
             yield send_to_device(batch, accelerator.device, non_blocking=accelerator.non_blocking)
@@ -198,8 +200,9 @@ class TrainingRun:
 
     def merge_batchnorm(self):
         """After each optimizer step: BatchNorm's running statistics as if one process had trained the whole step
-        (BatchNormMerge), the same on every process and on any process count."""
-        self._batchnorm.merge()
+        (BatchNormMerge), the same on every process and on any process count. Between accumulation steps: nothing."""
+        if self.accelerator.sync_gradients:
+            self._batchnorm.merge()
 
     def checkpoint_due(self):
         """Every process asks, after `record`: every `checkpoint_every` steps, or after a SIGTERM on any process.
