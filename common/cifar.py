@@ -161,7 +161,7 @@ def load_image_folder(root, *, size, accelerator=None):
                                   record=root.parent / f".checked-{root.name}.json")
     if bad:
         raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}. Remove it, or replace it with a readable copy")
-    return InMemoryDataset(images, torch.tensor(labels), classes)
+    return InMemoryDataset(images, torch.tensor(labels), classes, files=files)
 
 
 # for scripts/evaluate.py: each dataset by the name describe_model records, as (data_dir, seed) -> (train, test)

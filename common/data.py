@@ -13,12 +13,14 @@ from .images import split_dataset
 
 class InMemoryDataset(torch.utils.data.Dataset):
     """uint8 images (N, C, H, W) and labels; batches are dicts of image, label and index. `rows`: each sample's row
-    of `images`, where it holds more (the decode cache keeps a row for every file, unreadable ones included)."""
+    of `images`, where it holds more (the decode cache keeps a row for every file, unreadable ones included);
+    `files`: each sample's file, where it was decoded from one (for reports)."""
 
-    def __init__(self, images, labels, classes, *, rows=None):
+    def __init__(self, images, labels, classes, *, rows=None, files=None):
         assert images.dtype == torch.uint8 and images.ndim == 4 and len(labels) == len(images if rows is None else rows)
         self.images, self.labels, self.classes = images.contiguous(), labels.long(), list(classes)
         self.rows = None if rows is None else torch.as_tensor(rows, dtype=torch.long)
+        self.files = files
 
     @property
     def image_size(self):
@@ -33,7 +35,11 @@ class InMemoryDataset(torch.utils.data.Dataset):
     def relabelled(self, classes):
         """This dataset with its labels numbered as `classes` (which hold all of its own), the same images."""
         to_new = torch.tensor([list(classes).index(name) for name in self.classes])
-        return InMemoryDataset(self.images, to_new[self.labels], classes, rows=self.rows)
+        return InMemoryDataset(self.images, to_new[self.labels], classes, rows=self.rows, files=self.files)
+
+    def image(self, index):
+        """The stored image of sample `index`, uint8 (C, H, W), unaugmented (for reports)."""
+        return self.images[index if self.rows is None else self.rows[index]]
 
     def __getitems__(self, indices):
         # one gather for the whole batch; the DataLoader calls this instead of __getitem__ per sample.
@@ -46,7 +52,9 @@ class InMemoryDataset(torch.utils.data.Dataset):
 def hold_out(dataset, *, fraction, seed):
     """(train, validation): a stratified share `fraction` set aside (--val_fraction), the same for every seed."""
     train, val = split_dataset(dataset.labels.tolist(), val_fraction=fraction, seed=seed, classes=dataset.classes)
-    return tuple(InMemoryDataset(dataset.images[part], dataset.labels[part], dataset.classes) for part in (train, val))
+    return tuple(InMemoryDataset(dataset.images[part], dataset.labels[part], dataset.classes,
+                                 files=None if dataset.files is None else [dataset.files[i] for i in part])
+                 for part in (train, val))
 
 
 def _keep_as_is(batch):

@@ -156,6 +156,9 @@ def add_common_args(parser):
     parser.add_runtime_argument("--compile", action="store_true",
                                 help="torch.compile the model through Accelerate's dynamo plugin (pays a compile at "
                                      "the start)")
+    parser.add_runtime_argument("--find_label_issues", action=argparse.BooleanOptionalAction, default=True,
+                                help="at the end, score the training images with the final model for the mistakes "
+                                     "report's suspected wrong labels (one pass over them; default: on)")
     parser.add_argument("--max_steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (smoke runs)")
     parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")

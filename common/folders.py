@@ -121,7 +121,8 @@ def build_folder_dataset(split, *, transform, skip_bad_images, cache=None, seed=
                                      accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
     labels, classes = [split["labels"][i] for i in good], split["classes"]
     if images is not None and transform is None:
-        dataset = InMemoryDataset(images, torch.tensor(labels), classes, rows=good)
+        dataset = InMemoryDataset(images, torch.tensor(labels), classes, rows=good,
+                                  files=[split["files"][i] for i in good])
     else:
         dataset = ImageFileDataset([split["files"][i] for i in good], labels, classes, transform=transform,
                                    cache=None if images is None else (images, good), seed=seed)
@@ -153,8 +154,12 @@ class ImageFileDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.files)
 
+    def image(self, index):
+        """The stored image of sample `index` (decoded, or the cache's row), unaugmented (for reports)."""
+        return self.cache[self.cache_rows[index]] if self.cache is not None else read_image(self.files[index])
+
     def __getitem__(self, index):
-        image = self.cache[self.cache_rows[index]] if self.cache is not None else read_image(self.files[index])
+        image = self.image(index)
         if self.seed is None:
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
         # fork_rng: with no workers this runs in the training process, whose own random stream must not move

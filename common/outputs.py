@@ -22,7 +22,7 @@ from .errors import UserError
 # a folder holding one of these holds a run; the others are written by a run too, and go aside with it
 RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
 RUN_OUTPUTS = (*RUN_FILES, "classification_report.txt", "confusion_matrix.png", "curves.png", "logs", "test",
-               "evaluation")
+               "evaluation", "report.html", "mistakes.json", "losses.csv", "label_issues.csv")
 PREVIOUS_RUN = "previous_run"
 
 

@@ -16,7 +16,8 @@
         run.log_epoch(evaluation)
         run.save_best(model, evaluation)
         run.save_checkpoint()
-    run.finish(evaluation)
+    train_scores = evaluate(model, train_scoring_dataloader, ...)  # unaugmented: for the suspected wrong labels
+    run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)  # reports, report.html
 
 TrainingRun counts and writes; it owns no model, optimizer or loss. Nothing waits for the device at every step:
 the host looks (nan watch, SIGTERM, progress bar) in one small gather every CHECK_EVERY steps or LOOK_SECONDS.
@@ -38,6 +39,7 @@ from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import BatchNormMerge
 from .errors import Interrupted, UserError
+from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, write_reports
@@ -268,13 +270,24 @@ class TrainingRun:
         return model
 
     @names_the_last_checkpoint
-    def finish(self, evaluation):
-        """The final reports from the last evaluation, then close the trackers."""
+    def finish(self, evaluation, *, eval_set, train_scores=None, train_set=None):
+        """The final reports from the last evaluation (of `eval_set`), with the mistakes report: report.html, and
+        the suspected wrong labels of `train_set` from `train_scores` (`evaluate` on it unaugmented); then close
+        the trackers."""
         if self.accelerator.is_main_process:
+            class_names = self.model_info["class_names"]
             report = write_reports(self.output_dir, labels=evaluation["labels"],
-                                   predictions=evaluation["predictions"], class_names=self.model_info["class_names"])
+                                   predictions=evaluation["predictions"], class_names=class_names)
             self.accelerator.print(f"classification report ({evaluation['samples']} images):\n{report}")
-            self.accelerator.print(f"outputs written to {self.output_dir}")
+            label_issues = None if train_scores is None else find_label_issues(
+                train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
+            page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set,
+                                         class_names=class_names, label_issues=label_issues, training_set=train_set,
+                                         title=f"{self.output_dir}: epoch {self.epoch}, validation",
+                                         arguments=self.model_info["args"])
+            self.accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
+                                   + (f" ({label_issues['flagged']} suspected wrong labels among the "
+                                      f"{label_issues['scored']} training images)" if label_issues else ""))
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         unlock_output_dirs()  # the run is written: another may take the folder

@@ -10,7 +10,9 @@ Classes are matched by name: the dataset may hold fewer classes than the model, 
 Preprocessing is the training run's evaluation (meta.json's eval_transform, mean, std).
 
 Writes to --output_dir: classification_report.txt/.json, confusion_matrix.png, predictions.csv (one row per
-image: index, file for folder datasets, label, prediction, probability), and prints accuracy and macro-F1.
+image: index, file for folder datasets, label, prediction, probability), the mistakes report (report.html: the
+highest-loss images, confused pairs, each class's worst images, and the images whose label is suspect, by
+cleanlab's confident learning; mistakes.json, losses.csv, label_issues.csv), and prints accuracy and macro-F1.
 
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/evaluate.py \\
         --model_dir outputs/cifar/best --data_dir data --output_dir outputs/cifar/test
@@ -30,13 +32,15 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
+from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.images import build_eval_transform, list_image_folder  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
 
 IN_MEMORY_DATASETS = cifar.DATASETS | mnist.DATASETS  # by the name best/meta.json records, as "dataset"
 DATASETS = (*IN_MEMORY_DATASETS, "folder")
-OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion_matrix.png", "predictions.csv")
+OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion_matrix.png", "predictions.csv",
+           *MISTAKES_FILES)
 
 
 def parse_args(argv=None):
@@ -60,7 +64,7 @@ def parse_args(argv=None):
 
 
 def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
-    """(dataset, files or None) of the split, in the layout `kind`; items are dicts with image, label, index."""
+    """The split, in the layout `kind`; items are dicts with image, label, index (`files`: each one's file or None)."""
     if kind != "digits" and data_dir is None:
         raise UserError(f"--data_dir is needed for a {kind} dataset")
     if kind == "folder":
@@ -74,11 +78,11 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
         if dataset.left_out and accelerator.is_main_process:
             print(f"warning: left out {len(dataset.left_out)} unreadable images, e.g. {dataset.left_out[0]}",
                   file=sys.stderr)
-        return dataset, dataset.files
+        return dataset
     if split not in ("train", "test"):
         raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
     train, test = IN_MEMORY_DATASETS[kind](data_dir, seed=meta.get("args", {}).get("seed", 42))
-    return (train if split == "train" else test), None
+    return train if split == "train" else test
 
 
 def in_model_classes(dataset, class_names, where):
@@ -116,7 +120,7 @@ def main(args):
         raise UserError(f"{args.model_dir} does not say which dataset layout it was trained on (written before "
                         f"evaluate.py existed): pass --dataset ({', '.join(DATASETS)})")
     output_dir = check_output_dir(args)
-    dataset, files = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images,
+    dataset = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images,
                                    accelerator=accelerator)
     dataset = in_model_classes(dataset, meta["class_names"], args.data_dir or kind)
     if isinstance(dataset, InMemoryDataset):
@@ -131,8 +135,9 @@ def main(args):
     transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
     evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta == "flip")
     tta = ", flip TTA" if args.tta == "flip" else ""
-    report_evaluation(accelerator, evaluation, output_dir=output_dir, class_names=meta["class_names"], files=files,
-                      name=f"{args.data_dir or kind} ({kind}, {args.split}{tta})")
+    report_evaluation(accelerator, evaluation, output_dir=output_dir, class_names=meta["class_names"],
+                      dataset=dataset, name=f"{args.data_dir or kind} ({kind}, {args.split}{tta})",
+                      trained_on=args.split == "train", arguments=meta.get("args"))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return evaluation

@@ -142,10 +142,14 @@ def main(args):
         if ema:
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
+    # the training images scored by the final model, unaugmented: the mistakes report's suspected wrong labels
+    train_scores = evaluate(model, accelerator.prepare(build_dataloader(train_set, batch_size=args.batch_size)),
+                            accelerator, transform=eval_transform) if args.find_label_issues else None
     if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
         test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=eval_transform)
-        report_evaluation(accelerator, test, output_dir=output_dir / "test", class_names=train_set.classes)
-    run.finish(evaluation)
+        report_evaluation(accelerator, test, output_dir=output_dir / "test", class_names=train_set.classes,
+                          dataset=test_set)
+    run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)
 
 
 if __name__ == "__main__":

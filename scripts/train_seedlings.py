@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from timm.data import Mixup
+from torchvision.transforms.v2.functional import center_crop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
@@ -213,8 +214,17 @@ def main(args):
         if ema:
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
-    run.finish(evaluation)
-
+    # the training images scored by the final model, unaugmented and cropped as evaluation crops (the cache holds
+    # them uncropped): the mistakes report's suspected wrong labels
+    train_scores = None
+    if args.find_label_issues:
+        scoring_set = folder_dataset(train_split, transform=None if cache_images else build_eval_transform(eval_spec),
+                                     cache=training_cache(eval_spec) if cache_images else None)
+        crop = partial(center_crop, output_size=[args.image_size] * 2) if cache_images else None
+        train_scores = evaluate(model, accelerator.prepare(build_file_dataloader(
+            scoring_set, batch_size=args.batch_size, num_workers=num_workers)), accelerator,
+            transform=lambda images: eval_transform(crop(images) if crop else images))
+    run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)
 
 if __name__ == "__main__":
     run_main(main, parse_args())

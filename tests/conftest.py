@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +203,56 @@ def read_run(output_dir):
     report = json.loads((output_dir / "classification_report.json").read_text())
     return metrics, report
 
+
+CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+
+
+class _Page(HTMLParser):
+    """What a page shows: its <body> attributes, and per <section id> the images, table rows and gallery figures."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.sections, self._section = {}, {}, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        elif tag == "section":
+            self._section = self.sections.setdefault(attrs.get("id"), {"img": 0, "tr": 0, "figure": 0})
+        elif self._section is not None and tag in self._section:
+            self._section[tag] += 1
+
+    def handle_endtag(self, tag):
+        if tag == "section":
+            self._section = None
+
+
+def open_in_browser(page):
+    """report.html as a real browser shows it (Debian's headless Chromium): the page after its load event."""
+    require(CHROMIUM or "chromium-headless-shell", "apt-get install -y chromium-headless-shell")
+    result = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                             "--virtual-time-budget=10000", Path(page).absolute().as_uri()],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    shown = _Page()
+    shown.feed(result.stdout)
+    return shown
+
+
+def assert_report_shows(page, *, classes, top_losses, label_issues, arguments=True):
+    """Every image of the report loads in the browser; the per-class table has a row per class, the galleries
+    hold `top_losses` and `label_issues` images (None: not computed), the run's arguments are listed."""
+    shown = open_in_browser(page)
+    assert int(shown.body["data-images"]) == int(shown.body["data-images-shown"]) > 0, shown.body  # none broken
+    sections = shown.sections
+    assert sections["plots"]["img"] >= 1  # the confusion matrix, and the curves of a training run
+    assert sections["classes"]["tr"] == classes + 1  # the header, and a row per class
+    assert sections["top-losses"]["figure"] == top_losses
+    assert sections["confused"]["figure"] > 0
+    assert sections["label-issues"]["figure"] == (label_issues or 0)
+    assert (sections["arguments"]["tr"] > 0) == arguments and "files" in sections
+    return shown
 
 TIMES = ("images_per_s", "train_time_s", "epoch_time_s")
 # a run continued on another process count: each process computes with one thread, as torchrun gives 2 processes on

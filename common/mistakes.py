@@ -1,0 +1,249 @@
+"""The mistakes of a model on a labelled set, in one report a person opens: the images it gets most wrong, the class
+pairs it confuses, each class's recall and worst images, and the images whose given label it finds least likely.
+
+`write_mistakes_report` writes, into a run's folder (or scripts/evaluate.py's): report.html (self-contained: the
+thumbnails, curves and confusion matrix embedded, no network), mistakes.json (what the report shows), losses.csv
+(every evaluated image, highest loss first) and label_issues.csv (the suspected wrong labels, most suspect first).
+Suspected wrong labels are cleanlab's confident learning (`find_label_issues`, Northcutt et al. 2021): an image is
+flagged when the model's probability for another class is above that class's average self-confidence.
+"""
+
+import base64
+import csv
+import html
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .outputs import write_atomically
+
+MISTAKES_FILES = ("report.html", "mistakes.json", "losses.csv", "label_issues.csv")
+SHOWN = 24  # images in the highest-loss and suspected-label galleries
+EXAMPLES = 4  # images per confused pair and per class
+PAIRS = 10  # confused pairs shown
+CLASSES_WITH_IMAGES = 30  # the classes of lowest recall that get example images (all are in the table)
+THUMBNAIL = 128  # longest side, pixels; smaller images are kept as they are and shown enlarged
+
+
+# ---- what the report holds ----
+
+def find_mistakes(evaluation, *, class_names, files=None):
+    """The highest-loss images, the most confused (true, predicted) pairs and each class's recall and worst images
+    of an `evaluate` result; every image as a dict (index, file, label, prediction, probabilities, loss)."""
+    probs, labels, indices = evaluation["probabilities"], evaluation["labels"], evaluation["indices"]
+    predictions = probs.argmax(1)
+    loss = -np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None))
+    worst = np.argsort(-loss, kind="stable")  # every row below keeps this order: highest loss first
+
+    def image(row):
+        return _image(row, probs, labels, indices, class_names, files, loss=float(loss[row]))
+
+    matrix = np.zeros((len(class_names),) * 2, dtype=np.int64)
+    np.add.at(matrix, (labels, predictions), 1)
+    off_diagonal = matrix * (1 - np.eye(len(class_names), dtype=np.int64))
+    pairs = [divmod(int(flat), len(class_names)) for flat in np.argsort(-off_diagonal, axis=None, kind="stable")[:PAIRS]]
+    confused = [{"label": class_names[true], "prediction": class_names[taken], "count": int(matrix[true, taken]),
+                 "examples": [image(row) for row in worst[(labels[worst] == true)
+                                                          & (predictions[worst] == taken)][:EXAMPLES]]}
+                for true, taken in pairs if matrix[true, taken]]
+    per_class = []
+    for c, name in enumerate(class_names):
+        images, predicted = int(matrix[c].sum()), int(matrix[:, c].sum())
+        if images == 0:
+            continue  # a class the set does not hold (evaluate.py on a subset of the model's classes)
+        recall, precision = matrix[c, c] / images, matrix[c, c] / max(predicted, 1)
+        per_class.append({"class": name, "images": images, "recall": float(recall), "precision": float(precision),
+                          "f1": float(2 * recall * precision / max(recall + precision, 1e-12)),
+                          "taken_for": (class_names[int(off_diagonal[c].argmax())] if off_diagonal[c].any() else None),
+                          "worst": [image(row) for row in worst[labels[worst] == c][:EXAMPLES]]})
+    per_class.sort(key=lambda entry: (entry["recall"], entry["class"]))  # the weakest first
+    for entry in per_class[CLASSES_WITH_IMAGES:]:
+        entry["worst"] = []
+    return {"images": len(labels), "accuracy": float((predictions == labels).mean()), "loss": float(loss.mean()),
+            "top_losses": [image(row) for row in worst[:SHOWN]], "confused_pairs": confused, "per_class": per_class,
+            "losses": [image(row) for row in worst]}
+
+
+def find_label_issues(scores, *, class_names, files=None, split, trained_on):
+    """The images of `scores` (an `evaluate` result) whose given label the model finds least likely, most suspect
+    first, by cleanlab's confident learning; `split` names the images in the report, `trained_on` whether the
+    model trained on them (then a wrong label it learned to repeat is not found: the report says so)."""
+    from cleanlab.filter import find_label_issues as confident_learning  # pandas and cleanlab: 2-4 s to import
+
+    probs, labels, indices = scores["probabilities"], scores["labels"], scores["indices"]
+    # n_jobs=1: cleanlab's default forks a pool per call, unsafe in a process that holds a process group and threads
+    ranked = confident_learning(labels, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
+    flagged = [_image(row, probs, labels, indices, class_names, files) for row in ranked]
+    method = ("They were scored by the final model without augmentation; it trained on them, so a wrong label it has "
+              "learned to repeat is not found (few are in a short run: a network learns the clean majority first)."
+              if trained_on else "The model did not train on them: its probabilities are out-of-sample.")
+    return {"split": split, "scored": len(labels), "flagged": len(flagged), "method": method, "images": flagged}
+
+
+def _image(row, probs, labels, indices, class_names, files, loss=None):
+    label, prediction = int(labels[row]), int(probs[row].argmax())
+    index = int(indices[row])
+    return {"index": index, **({"file": str(files[index])} if files is not None else {}),
+            "label": class_names[label], "prediction": class_names[prediction],
+            "probability": float(probs[row, prediction]), "label_probability": float(probs[row, label]),
+            **({"loss": loss} if loss is not None else {})}
+
+
+# ---- the files ----
+
+def write_mistakes_report(output_dir, *, evaluation, dataset, class_names, title, arguments=None, label_issues=None,
+                          training_set=None):
+    """report.html, mistakes.json, losses.csv and label_issues.csv for an `evaluate` result on `dataset`
+    (`label_issues` from `find_label_issues`, on `training_set` when those are training images; main process)."""
+    output_dir = Path(output_dir)
+    files = getattr(dataset, "files", None)
+    mistakes = find_mistakes(evaluation, class_names=class_names, files=files)
+    losses = mistakes.pop("losses")
+    write_csv(output_dir / "losses.csv", losses)
+    if label_issues is not None:
+        write_csv(output_dir / "label_issues.csv", label_issues["images"])
+        label_issues = {**label_issues, "images": label_issues["images"][:SHOWN]}
+    else:
+        (output_dir / "label_issues.csv").unlink(missing_ok=True)  # an earlier evaluation's, not of this model
+    summary = {"title": title, **mistakes, "label_issues": label_issues}
+    write_atomically(output_dir / "mistakes.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+    page = render_report(summary, dataset=dataset, training_set=training_set or dataset, output_dir=output_dir,
+                         arguments=arguments, macro_f1=evaluation["macro_f1"])
+    write_atomically(output_dir / "report.html", lambda tmp: tmp.write_text(page))
+    return output_dir / "report.html"
+
+
+def write_csv(path, images):
+    columns = ["index", "file", "label", "prediction", "probability", "label_probability", "loss"]
+    columns = [name for name in columns if any(name in image for image in images[:1])] or columns
+
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows({key: f"{value:.6g}" if isinstance(value, float) else value
+                              for key, value in image.items()} for image in images)
+
+    write_atomically(path, write)
+
+
+# ---- the page ----
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; padding: 0 1em; color: #222 }
+h1 { font-size: 1.5em } h2 { margin-top: 2em; border-bottom: 1px solid #ccc }
+.headline { font-size: 1.15em } .note { color: #666 } .missing { color: #b00; font-weight: bold }
+nav a { margin-right: 1em }
+.plots img { max-width: 100%; height: auto; vertical-align: top }
+.gallery { display: flex; flex-wrap: wrap; gap: 8px }
+figure { margin: 0; width: 140px; font-size: 12px; overflow-wrap: anywhere }
+figure img { width: 128px; height: 128px; object-fit: contain; background: #eee; image-rendering: auto }
+figure img.small { image-rendering: pixelated }
+.bad { color: #b00 } .good { color: #070 }
+table { border-collapse: collapse } td, th { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left }
+td.number { text-align: right } td .gallery figure { width: 72px } td .gallery img { width: 64px; height: 64px }
+"""
+
+# the page counts the images the browser could show, says so when one is missing, and leaves the counts on <body>
+CHECK_IMAGES = """
+addEventListener("load", () => {
+  const images = [...document.images], shown = images.filter(image => image.complete && image.naturalWidth > 0);
+  document.body.dataset.images = images.length;
+  document.body.dataset.imagesShown = shown.length;
+  if (shown.length < images.length)
+    document.getElementById("missing").textContent = `${images.length - shown.length} images could not be shown`;
+});
+"""
+
+
+def render_report(summary, *, dataset, training_set, output_dir, arguments, macro_f1):
+    thumbnails = {}
+
+    def gallery(images, *, source=dataset, caption=True):
+        figures = []
+        for image in images:
+            key = (id(source), image["index"])
+            if key not in thumbnails:
+                thumbnails[key] = thumbnail(source.image(image["index"]))
+            uri, small = thumbnails[key]
+            name = Path(image["file"]).name if "file" in image else f"#{image['index']}"
+            text = (f"<b>{_e(image['label'])}</b> &rarr; <span class=\"{'good' if image['prediction'] == image['label'] else 'bad'}\">"
+                    f"{_e(image['prediction'])}</span> {image['probability']:.2f}<br>p(given) "
+                    f"{image['label_probability']:.3f}<br><span class=note>{_e(name)}</span>") if caption else ""
+            figures.append(f"<figure title=\"{_e(image.get('file', name))}\"><img src=\"{uri}\""
+                           f"{' class=small' if small else ''} alt=\"{_e(name)}\"><figcaption>{text}</figcaption></figure>")
+        return f"<div class=gallery>{''.join(figures)}</div>"
+
+    s = summary
+    parts = [f"<h1>{_e(s['title'])}</h1>",
+             f"<p class=headline>{s['images']:,} images &middot; accuracy <b>{100 * s['accuracy']:.2f}%</b> &middot; "
+             f"macro-F1 {macro_f1:.4f} &middot; loss {s['loss']:.4f}</p><p id=missing class=missing></p>",
+             "<nav><a href=#classes>classes</a><a href=#confused>confused pairs</a><a href=#top-losses>highest loss</a>"
+             "<a href=#label-issues>suspected wrong labels</a><a href=#arguments>arguments</a><a href=#files>files</a></nav>"]
+    plots = [f"<img src=\"{_data_uri((output_dir / name).read_bytes(), 'image/png')}\" alt=\"{name}\">"
+             for name in ("curves.png", "confusion_matrix.png") if (output_dir / name).is_file()]
+    parts.append(f"<section id=plots class=plots>{''.join(plots)}</section>")
+
+    rows = "".join(f"<tr><td>{_e(c['class'])}</td><td class=number>{c['images']}</td><td class=number>"
+                   f"{100 * c['recall']:.1f}%</td><td class=number>{100 * c['precision']:.1f}%</td><td class=number>"
+                   f"{c['f1']:.3f}</td><td>{_e(c['taken_for'] or '')}</td><td>{gallery(c['worst'], caption=False)}</td></tr>"
+                   for c in s["per_class"])
+    parts.append("<section id=classes><h2>Classes, lowest recall first</h2><table><tr><th>class</th><th>images</th>"
+                 "<th>recall</th><th>precision</th><th>F1</th><th>most often taken for</th><th>its highest-loss images"
+                 f"</th></tr>{rows}</table></section>")
+
+    pairs = "".join(f"<h3>{_e(p['label'])} taken for {_e(p['prediction'])}: {p['count']} image(s)</h3>"
+                    f"{gallery(p['examples'])}" for p in s["confused_pairs"])
+    parts.append(f"<section id=confused><h2>Most confused pairs (true &rarr; predicted)</h2>"
+                 f"{pairs or '<p>none: every image is right</p>'}</section>")
+    parts.append(f"<section id=top-losses><h2>Highest loss</h2><p class=note>the {len(s['top_losses'])} images "
+                 "the model finds least likely to be of their given class; every image is in losses.csv</p>"
+                 f"{gallery(s['top_losses'])}</section>")
+
+    issues = s["label_issues"]
+    if issues is None:
+        body = "<p>not computed (<code>--no-find_label_issues</code>)</p>"
+    else:
+        body = (f"<p class=note>{issues['flagged']:,} of the {issues['scored']:,} {_e(issues['split'])} images are "
+                f"flagged by confident learning (cleanlab); {_e(issues['method'])} The {len(issues['images'])} "
+                "most suspect are shown, given label &rarr; the model's class; all are in label_issues.csv.</p>"
+                f"{gallery(issues['images'], source=training_set)}")
+    parts.append(f"<section id=label-issues><h2>Suspected wrong labels</h2>{body}</section>")
+
+    argument_rows = "".join(f"<tr><td>{_e(name)}</td><td><code>{_e(json.dumps(value))}</code></td></tr>"
+                            for name, value in sorted((arguments or {}).items()))
+    parts.append(f"<section id=arguments><h2>Arguments</h2><table>{argument_rows}</table></section>")
+    links = [name for name in ("mistakes.json", "losses.csv", "label_issues.csv", "classification_report.txt",
+                               "classification_report.json", "metrics.jsonl", "predictions.csv")
+             if (output_dir / name).is_file()]
+    parts.append("<section id=files><h2>Files beside this report</h2><p>"
+                 + " &middot; ".join(f"<a href=\"{name}\">{name}</a>" for name in links) + "</p></section>")
+    return (f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{_e(s['title'])}</title>"
+            f"<style>{STYLE}</style><script>{CHECK_IMAGES}</script></head><body>{''.join(parts)}</body></html>\n")
+
+
+def thumbnail(image):
+    """(data URI, small) of a dataset's stored image (a PIL image or a uint8 (C, H, W) tensor): photos as JPEG of
+    at most THUMBNAIL pixels a side, images of 64 pixels or less as PNG at their size (the page enlarges them)."""
+    if isinstance(image, torch.Tensor):
+        array = image.permute(1, 2, 0).numpy()
+        image = Image.fromarray(array[..., 0] if array.shape[2] == 1 else array)
+    small = max(image.size) <= 64
+    if not small:
+        image = image.copy()
+        image.thumbnail((THUMBNAIL, THUMBNAIL), Image.LANCZOS)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG" if small else "JPEG", quality=85)
+    return _data_uri(buffer.getvalue(), "image/png" if small else "image/jpeg"), small
+
+
+def _data_uri(data, mime):
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def _e(text):
+    return html.escape(str(text))

@@ -1,0 +1,80 @@
+"""The mistakes report: what it counts, the wrong labels it finds, and that a real browser shows all of it."""
+
+import csv
+
+import numpy as np
+import pytest
+from sklearn.metrics import confusion_matrix, recall_score
+
+from conftest import REPO, assert_report_shows, launch, write_idx
+from common.mistakes import EXAMPLES, SHOWN, find_mistakes
+from common.mnist import FASHION_MNIST_CLASSES, build_mnist, read_idx
+
+
+def rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+def test_the_mistakes_are_counted_from_the_probabilities_as_scikit_learn_counts_them():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 5, 300)
+    logits = rng.normal(size=(300, 5)) + 2 * np.eye(5)[labels]
+    probabilities = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    indices = rng.permutation(1000)[:300]  # rows of a dataset, not positions
+    evaluation = {"probabilities": probabilities, "labels": labels, "indices": indices}
+    names = list("abcde")
+    mistakes = find_mistakes(evaluation, class_names=names)
+
+    loss = -np.log(probabilities[np.arange(300), labels])
+    assert [image["index"] for image in mistakes["losses"]] == indices[np.argsort(-loss, kind="stable")].tolist()
+    assert mistakes["top_losses"] == mistakes["losses"][:SHOWN]
+    assert mistakes["loss"] == pytest.approx(loss.mean())
+    predictions = probabilities.argmax(1)
+    matrix = confusion_matrix(labels, predictions)
+    for pair in mistakes["confused_pairs"]:
+        true, taken = names.index(pair["label"]), names.index(pair["prediction"])
+        assert pair["count"] == matrix[true, taken] and true != taken
+        assert len(pair["examples"]) == min(EXAMPLES, pair["count"])
+        assert all((image["label"], image["prediction"]) == (pair["label"], pair["prediction"])
+                   for image in pair["examples"])
+    off_diagonal = np.sort((matrix - np.diag(np.diag(matrix))).ravel())[::-1]
+    assert [pair["count"] for pair in mistakes["confused_pairs"]] == off_diagonal[:len(mistakes["confused_pairs"])].tolist()
+    recalls = recall_score(labels, predictions, average=None)
+    assert {c["class"]: c["recall"] for c in mistakes["per_class"]} == pytest.approx(dict(zip(names, recalls)))
+    assert [c["recall"] for c in mistakes["per_class"]] == sorted(recalls)  # the weakest class first
+    for entry in mistakes["per_class"]:  # its highest-loss images: the class's own, the worst first
+        assert all(image["label"] == entry["class"] for image in entry["worst"])
+        assert [image["loss"] for image in entry["worst"]] == sorted((image["loss"] for image in entry["worst"]),
+                                                                     reverse=True)
+
+
+@pytest.mark.slow
+def test_flipped_training_labels_are_the_most_suspect_and_the_report_opens_in_a_browser(tmp_path, fashion_subset):
+    """40 of 2,001 Fashion-MNIST training labels changed to another class: most of them head the suspects."""
+    data = tmp_path / "fashion"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    flipped = rng.choice(2001, 40, replace=False)
+    for name in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        write_idx(data / name, read_idx(next(fashion_subset.glob(f"{name}*"))))
+    labels = read_idx(fashion_subset / "train-labels-idx1-ubyte.gz").copy()
+    labels[flipped] = (labels[flipped] + rng.integers(1, 10, 40)) % 10
+    write_idx(data / "train-labels-idx1-ubyte", labels)
+
+    output_dir = tmp_path / "run"
+    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", data,
+                    "--output_dir", output_dir, "--epochs", 2, "--batch_size", 64)
+    assert result.returncode == 0, result.output
+    suspects = [int(row["index"]) for row in rows(output_dir / "label_issues.csv")]
+    assert f"{len(suspects)} suspected wrong labels among the 2001 training images" in result.output  # each once
+    caught = len(set(suspects[:40]) & set(flipped.tolist()))
+    assert caught >= 12, caught  # of the 40 most suspect (21 and 24 for two draws); at chance 40 x 40 / 2001 = 0.8
+    for row in rows(output_dir / "label_issues.csv")[:40]:  # the label given, as the training set holds it
+        assert row["label"] == FASHION_MNIST_CLASSES[labels[int(row["index"])]]
+    # every test image once in losses.csv, with its own label, across the two processes
+    _, test = build_mnist(data, name="fashion_mnist")
+    losses = rows(output_dir / "losses.csv")
+    assert sorted(int(row["index"]) for row in losses) == list(range(1001))
+    assert all(row["label"] == test.classes[test.labels[int(row["index"])]] for row in losses)
+    assert [float(row["loss"]) for row in losses] == sorted((float(row["loss"]) for row in losses), reverse=True)
+    assert_report_shows(output_dir / "report.html", classes=10, top_losses=SHOWN, label_issues=SHOWN)
