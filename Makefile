@@ -1,12 +1,13 @@
 # Two entry points for a fresh machine (Python 3.10+ with venv):
 #   make demo   set up, then train the offline digits demo with 2 CPU processes
-#   make test   set up, then run the whole test suite (installs Debian's Fashion-MNIST if missing)
+#   make test   set up, then run the whole test suite (installs Debian's Fashion-MNIST and headless Chromium,
+#               which opens the reports in the tests, if missing)
 VENV ?= .venv
 PYTHON ?= python3
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo test test-fast browser
 
 setup: $(VENV)/.installed
 
@@ -23,7 +24,11 @@ demo: setup
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_mnist.py \
 		--dataset digits --epochs 20 --output_dir outputs/digits --overwrite
 
-test: setup $(FASHION_MNIST)
+browser:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || { $(SUDO) apt-get update -qq \
+		&& $(SUDO) apt-get install -y -qq chromium-headless-shell || $(SUDO) apt-get install -y -qq chromium; }
+
+test: setup $(FASHION_MNIST) browser
 	$(VENV)/bin/python -m pytest
 
 test-fast: setup

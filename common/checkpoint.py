@@ -60,7 +60,6 @@ def resolve_args(args, *, parse_args):
     if args.resume == "auto":
         check_same_run(args, checkpoint)
     args = restore_args(args, checkpoint["args"], parse_args=parse_args)
-    args.grad_accum = keep_global_batch(checkpoint, processes=int(os.environ.get("WORLD_SIZE", 1)))
     finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
                                 patience=getattr(args, "patience", None))
     if finished and args.resume == "auto":
@@ -72,6 +71,7 @@ def resolve_args(args, *, parse_args):
     if finished:
         raise UserError(f"checkpoint {checkpoint['path']} is the end of a finished run ({finished}): nothing to "
                         "resume. Its best model is in best/.")
+    args.grad_accum = keep_global_batch(checkpoint, processes=int(os.environ.get("WORLD_SIZE", 1)))  # if unfinished
     return args, checkpoint
 
 

@@ -154,12 +154,8 @@ class ImageFileDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.files)
 
-    def image(self, index):
-        """The stored image of sample `index` (decoded, or the cache's row), unaugmented (for reports)."""
-        return self.cache[self.cache_rows[index]] if self.cache is not None else read_image(self.files[index])
-
     def __getitem__(self, index):
-        image = self.image(index)
+        image = self.cache[self.cache_rows[index]] if self.cache is not None else read_image(self.files[index])
         if self.seed is None:
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
         # fork_rng: with no workers this runs in the training process, whose own random stream must not move

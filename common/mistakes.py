@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
+from .images import read_image
 from .outputs import write_atomically
 
 MISTAKES_FILES = ("report.html", "mistakes.json", "losses.csv", "label_issues.csv")
@@ -64,6 +64,7 @@ def find_mistakes(evaluation, *, class_names, files=None):
     for entry in per_class[CLASSES_WITH_IMAGES:]:
         entry["worst"] = []
     return {"images": len(labels), "accuracy": float((predictions == labels).mean()), "loss": float(loss.mean()),
+            "macro_f1": evaluation["macro_f1"],
             "top_losses": [image(row) for row in worst[:SHOWN]], "confused_pairs": confused, "per_class": per_class,
             "losses": [image(row) for row in worst]}
 
@@ -75,13 +76,17 @@ def find_label_issues(scores, *, class_names, files=None, split, trained_on):
     from cleanlab.filter import find_label_issues as confident_learning  # pandas and cleanlab: 2-4 s to import
 
     probs, labels, indices = scores["probabilities"], scores["labels"], scores["indices"]
+    found = {"split": split, "scored": len(labels), "accuracy": float((probs.argmax(1) == labels).mean())}
+    if len(np.unique(labels)) < 2:
+        return {**found, "flagged": 0, "images": [],
+                "not_computed": "these images are all of one class, and confident learning compares classes"}
     # n_jobs=1: cleanlab's default forks a pool per call, unsafe in a process that holds a process group and threads
     ranked = confident_learning(labels, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
     flagged = [_image(row, probs, labels, indices, class_names, files) for row in ranked]
     method = ("They were scored by the final model without augmentation; it trained on them, so a wrong label it has "
               "learned to repeat is not found (few are in a short run: a network learns the clean majority first)."
               if trained_on else "The model did not train on them: its probabilities are out-of-sample.")
-    return {"split": split, "scored": len(labels), "flagged": len(flagged), "method": method, "images": flagged}
+    return {**found, "flagged": len(flagged), "method": method, "images": flagged}
 
 
 def _image(row, probs, labels, indices, class_names, files, loss=None):
@@ -112,14 +117,13 @@ def write_mistakes_report(output_dir, *, evaluation, dataset, class_names, title
     summary = {"title": title, **mistakes, "label_issues": label_issues}
     write_atomically(output_dir / "mistakes.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
     page = render_report(summary, dataset=dataset, training_set=training_set or dataset, output_dir=output_dir,
-                         arguments=arguments, macro_f1=evaluation["macro_f1"])
+                         arguments=arguments)
     write_atomically(output_dir / "report.html", lambda tmp: tmp.write_text(page))
     return output_dir / "report.html"
 
 
 def write_csv(path, images):
-    columns = ["index", "file", "label", "prediction", "probability", "label_probability", "loss"]
-    columns = [name for name in columns if any(name in image for image in images[:1])] or columns
+    columns = list(images[0]) if images else ["index", "label", "prediction", "probability", "label_probability"]
 
     def write(tmp):
         with open(tmp, "w", newline="") as f:
@@ -142,7 +146,7 @@ nav a { margin-right: 1em }
 .gallery { display: flex; flex-wrap: wrap; gap: 8px }
 figure { margin: 0; width: 140px; font-size: 12px; overflow-wrap: anywhere }
 figure img { width: 128px; height: 128px; object-fit: contain; background: #eee; image-rendering: auto }
-figure img.small { image-rendering: pixelated }
+figure img.tiny { image-rendering: pixelated }
 .bad { color: #b00 } .good { color: #070 }
 table { border-collapse: collapse } td, th { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left }
 td.number { text-align: right } td .gallery figure { width: 72px } td .gallery img { width: 64px; height: 64px }
@@ -160,7 +164,7 @@ addEventListener("load", () => {
 """
 
 
-def render_report(summary, *, dataset, training_set, output_dir, arguments, macro_f1):
+def render_report(summary, *, dataset, training_set, output_dir, arguments):
     thumbnails = {}
 
     def gallery(images, *, source=dataset, caption=True):
@@ -168,20 +172,20 @@ def render_report(summary, *, dataset, training_set, output_dir, arguments, macr
         for image in images:
             key = (id(source), image["index"])
             if key not in thumbnails:
-                thumbnails[key] = thumbnail(source.image(image["index"]))
-            uri, small = thumbnails[key]
+                thumbnails[key] = thumbnail(source, image["index"])
+            uri, tiny = thumbnails[key]
             name = Path(image["file"]).name if "file" in image else f"#{image['index']}"
             text = (f"<b>{_e(image['label'])}</b> &rarr; <span class=\"{'good' if image['prediction'] == image['label'] else 'bad'}\">"
                     f"{_e(image['prediction'])}</span> {image['probability']:.2f}<br>p(given) "
                     f"{image['label_probability']:.3f}<br><span class=note>{_e(name)}</span>") if caption else ""
             figures.append(f"<figure title=\"{_e(image.get('file', name))}\"><img src=\"{uri}\""
-                           f"{' class=small' if small else ''} alt=\"{_e(name)}\"><figcaption>{text}</figcaption></figure>")
+                           f"{' class=tiny' if tiny else ''} alt=\"{_e(name)}\"><figcaption>{text}</figcaption></figure>")
         return f"<div class=gallery>{''.join(figures)}</div>"
 
     s = summary
     parts = [f"<h1>{_e(s['title'])}</h1>",
              f"<p class=headline>{s['images']:,} images &middot; accuracy <b>{100 * s['accuracy']:.2f}%</b> &middot; "
-             f"macro-F1 {macro_f1:.4f} &middot; loss {s['loss']:.4f}</p><p id=missing class=missing></p>",
+             f"macro-F1 {s['macro_f1']:.4f} &middot; loss {s['loss']:.4f}</p><p id=missing class=missing></p>",
              "<nav><a href=#classes>classes</a><a href=#confused>confused pairs</a><a href=#top-losses>highest loss</a>"
              "<a href=#label-issues>suspected wrong labels</a><a href=#arguments>arguments</a><a href=#files>files</a></nav>"]
     plots = [f"<img src=\"{_data_uri((output_dir / name).read_bytes(), 'image/png')}\" alt=\"{name}\">"
@@ -207,10 +211,13 @@ def render_report(summary, *, dataset, training_set, output_dir, arguments, macr
     issues = s["label_issues"]
     if issues is None:
         body = "<p>not computed (<code>--no-find_label_issues</code>)</p>"
+    elif "not_computed" in issues:
+        body = f"<p>not computed: {_e(issues['not_computed'])}</p>"
     else:
         body = (f"<p class=note>{issues['flagged']:,} of the {issues['scored']:,} {_e(issues['split'])} images are "
-                f"flagged by confident learning (cleanlab); {_e(issues['method'])} The {len(issues['images'])} "
-                "most suspect are shown, given label &rarr; the model's class; all are in label_issues.csv.</p>"
+                f"flagged by confident learning (cleanlab); the model is right on {100 * issues['accuracy']:.1f}% of "
+                f"them. {_e(issues['method'])} The {len(issues['images'])} most suspect are shown, given label "
+                "&rarr; the model's class; all are in label_issues.csv.</p>"
                 f"{gallery(issues['images'], source=training_set)}")
     parts.append(f"<section id=label-issues><h2>Suspected wrong labels</h2>{body}</section>")
 
@@ -226,19 +233,26 @@ def render_report(summary, *, dataset, training_set, output_dir, arguments, macr
             f"<style>{STYLE}</style><script>{CHECK_IMAGES}</script></head><body>{''.join(parts)}</body></html>\n")
 
 
-def thumbnail(image):
-    """(data URI, small) of a dataset's stored image (a PIL image or a uint8 (C, H, W) tensor): photos as JPEG of
-    at most THUMBNAIL pixels a side, images of 64 pixels or less as PNG at their size (the page enlarges them)."""
-    if isinstance(image, torch.Tensor):
-        array = image.permute(1, 2, 0).numpy()
+def thumbnail(dataset, index):
+    """(data URI, tiny) of sample `index`: its file as it is (or, without one, the image the dataset holds), photos
+    as JPEG of at most THUMBNAIL pixels a side, images of 64 pixels or less as PNG at their size; the page enlarges
+    them, tiny ones (32 pixels or less: digits, CIFAR) with square pixels rather than a blur. A file that cannot be
+    read any more gets an empty URI, which the page counts as not shown."""
+    if getattr(dataset, "files", None) is not None:
+        try:
+            image = read_image(dataset.files[index])
+        except (OSError, ValueError):
+            return "", False
+    else:
+        array = dataset.image(index).permute(1, 2, 0).numpy()
         image = Image.fromarray(array[..., 0] if array.shape[2] == 1 else array)
-    small = max(image.size) <= 64
-    if not small:
+    lossless = max(image.size) <= 64
+    if not lossless:
         image = image.copy()
         image.thumbnail((THUMBNAIL, THUMBNAIL), Image.LANCZOS)
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG" if small else "JPEG", quality=85)
-    return _data_uri(buffer.getvalue(), "image/png" if small else "image/jpeg"), small
+    image.save(buffer, format="PNG" if lossless else "JPEG", quality=85)
+    return _data_uri(buffer.getvalue(), "image/png" if lossless else "image/jpeg"), max(image.size) <= 32
 
 
 def _data_uri(data, mime):

@@ -384,7 +384,7 @@ def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
 
 @pytest.mark.slow
 def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_nothing_to_do(tmp_path, reference,
-                                                                                         capsys):
+                                                                                         capsys, monkeypatch):
     """A requeued job or a restart that finds the run finished ends with exit 0 (`auto`); `latest` refuses. The
     2-process run's 168 steps are not the 336 of one (--grad_accum 1 on both): finished is counted in epochs."""
     finished = tmp_path / "finished"
@@ -397,6 +397,11 @@ def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_noth
                                        f"to do. Its best model is in {finished / 'best'}\n")
     assert "is the end of a finished run (epoch 4 of 4 done): nothing to resume" in refused(
         MNIST, "--output_dir", finished, "--resume", "latest", capsys=capsys)
+    # a count that could not go on with its global batch of 2 x 1 micro-batches: finished all the same
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as stop:
+        run_main(module.main, module.parse_args(list(map(str, [*DIGITS, "--output_dir", finished, "--resume", "auto"]))))
+    assert stop.value.code == 0 and "is finished (epoch 4 of 4 done): nothing to do" in capsys.readouterr().out
     assert metrics(finished) == metrics(reference(2))
 
 

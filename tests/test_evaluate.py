@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from common.data import preprocess
 from common.mnist import build_digits
 from common.models import build_model, describe_model
-from conftest import REPO, launch, script
+from conftest import REPO, assert_report_shows, launch, script
 
 pytestmark = pytest.mark.slow
 SEEDLING_MEAN, SEEDLING_STD = (0.33, 0.29, 0.21), (0.14, 0.14, 0.16)
@@ -54,6 +54,15 @@ def test_two_processes_count_every_image_once_as_one_process_does(tmp_path, cifa
     assert (tmp_path / "run" / "evaluation" / "confusion_matrix.png").stat().st_size > 0
     accuracy = np.mean([r["label"] == r["prediction"] for r in ours])
     assert f"101 images, accuracy {100 * accuracy:.2f}%" in two.output
+    # the mistakes report: every image once, by its file; the suspected labels out-of-sample (the model never
+    # trained on these images), with the model's training arguments
+    losses = rows(tmp_path / "run" / "evaluation" / "losses.csv")
+    assert sorted((int(r["index"]), r["file"], r["label"]) for r in losses) == sorted(
+        (int(r["index"]), r["file"], r["label"]) for r in ours)
+    suspects = rows(tmp_path / "run" / "evaluation" / "label_issues.csv")
+    assert_report_shows(tmp_path / "run" / "evaluation" / "report.html", classes=len(classes), top_losses=24,
+                        label_issues=min(24, len(suspects)), arguments=False)  # this model was written by the test
+    assert "out-of-sample" in (tmp_path / "run" / "evaluation" / "report.html").read_text()
     # a second evaluation into the same folder asks for --overwrite, and changes nothing
     again = script("evaluate.py", "--model_dir", best, "--data_dir", cifar_jpegs, "--output_dir", tmp_path / "one")
     assert again.returncode == 2 and "already holds an evaluation" in again.output and "Traceback" not in again.output

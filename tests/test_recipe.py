@@ -120,9 +120,11 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
     output_dir = tmp_path / "run"
     command = [REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18", "--image_size",
                48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment", "trivialaugment",
-               "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir]
+               "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir, "--no-find_label_issues"]
     result = launch(*command)
     assert result.returncode == 0, result.output
+    assert "suspected wrong labels" not in result.output and not (output_dir / "label_issues.csv").exists()
+    assert "not computed (<code>--no-find_label_issues</code>)" in (output_dir / "report.html").read_text()
     records = metrics(output_dir)
     accuracies = [record["val_accuracy"] for record in records]
     best_epoch = accuracies.index(max(accuracies)) + 1  # the first epoch with the best accuracy

@@ -21,7 +21,7 @@ def test_the_mistakes_are_counted_from_the_probabilities_as_scikit_learn_counts_
     logits = rng.normal(size=(300, 5)) + 2 * np.eye(5)[labels]
     probabilities = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     indices = rng.permutation(1000)[:300]  # rows of a dataset, not positions
-    evaluation = {"probabilities": probabilities, "labels": labels, "indices": indices}
+    evaluation = {"probabilities": probabilities, "labels": labels, "indices": indices, "macro_f1": 0.5}
     names = list("abcde")
     mistakes = find_mistakes(evaluation, class_names=names)
 

@@ -25,7 +25,8 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
                             find_splits, training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_same_outcome, launch, launch_command,
+from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome, launch,
+                      launch_command,
                       run_command, script, spawn, wait_for)
 
 SCRIPTS = REPO / "scripts"
@@ -282,6 +283,16 @@ def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path
         assert record["train_samples_per_process"] == [28, 28] and record["train_unique_samples"] == 56
     report = json.loads((output_dir / "classification_report.json").read_text())
     assert {name: report[name]["support"] for name in val_counts} == val_counts  # every val image once
+    # the mistakes report names each image by its file, the left-out ones skipped: every val image once, and the
+    # suspects among the 59 training images with the label of their folder
+    losses = list(csv.DictReader(open(output_dir / "losses.csv")))
+    assert sorted(Path(row["file"]).relative_to(split / "val").as_posix() for row in losses) == sorted(
+        path.relative_to(split / "val").as_posix() for path in (split / "val").rglob("*.png"))
+    assert all(Path(row["file"]).parent.name == row["label"] for row in losses)
+    suspects = list(csv.DictReader(open(output_dir / "label_issues.csv")))
+    assert f"{len(suspects)} suspected wrong labels among the 59 training images" in result.output
+    assert all(Path(row["file"]).parent.name == row["label"] and "broken" not in row["file"] for row in suspects)
+    assert_report_shows(output_dir / "report.html", classes=12, top_losses=24, label_issues=min(24, len(suspects)))
 
     predicted = script("predict.py", "--model_dir", output_dir / "best", "--output", tmp_path / "out.csv", split / "val")
     assert predicted.returncode == 0, predicted.output
