@@ -83,20 +83,44 @@ def resize_size(image_size):
 
 
 def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
-    """Replace best/ as a whole: model.safetensors, meta.json and val_predictions.csv (this evaluation)."""
+    """Replace best/ as a whole: model.safetensors, meta.json, val_predictions.csv (this evaluation) and, for a timm
+    model, timm's config.json (`timm_config`)."""
     # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if not accelerator.is_main_process:
         return
+    config = timm_config(accelerator.unwrap_model(model, keep_torch_compile=False), meta)
 
     def write(folder):
         folder.mkdir()
         save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
                   folder / "model.safetensors")
         (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+        if config:
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
         write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
 
     write_atomically(Path(output_dir) / "best", write)
+
+
+def timm_config(model, meta):
+    """timm's config.json for a timm `model` described by `meta` (None for our own architectures), which makes best/
+    a timm folder: `timm.create_model("local-dir:best", pretrained=True)` builds the model with these weights and
+    its label names, and `timm.data.resolve_data_config` + `create_transform` preprocess as our evaluation does (PIL
+    resizes where we resize with torchvision: README "After training")."""
+    source = getattr(model, "pretrained_cfg", None)
+    if source is None:
+        return None
+    size, spec, kwargs = meta["image_size"], meta["eval_transform"], meta["model_kwargs"]
+    # timm resizes the short side to floor(size / crop_pct): a hair under size / resize keeps it at `resize` exactly
+    crop = ({"crop_pct": size[0] / (spec["resize"] + 1e-4), "crop_mode": "center"} if "center_crop" in spec
+            else {"crop_pct": 1.0, "crop_mode": "squash"})  # the in-memory sets: a resize to the size itself
+    return {"architecture": source["architecture"], "num_classes": kwargs["num_classes"],
+            "label_names": meta["class_names"], "model_args": dict(kwargs),
+            "pretrained_cfg": {"input_size": [kwargs["in_chans"], *size], "interpolation": "bilinear", **crop,
+                               "mean": meta["mean"], "std": meta["std"], "num_classes": kwargs["num_classes"],
+                               **{key: source[key] for key in ("first_conv", "classifier", "fixed_input_size")
+                                  if key in source}}}
 
 
 def load_best_model(model_dir):
