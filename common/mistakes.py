@@ -45,7 +45,8 @@ def find_mistakes(evaluation, *, class_names, files=None):
     matrix = np.zeros((len(class_names),) * 2, dtype=np.int64)
     np.add.at(matrix, (labels, predictions), 1)
     off_diagonal = matrix * (1 - np.eye(len(class_names), dtype=np.int64))
-    pairs = [divmod(int(flat), len(class_names)) for flat in np.argsort(-off_diagonal, axis=None, kind="stable")[:PAIRS]]
+    largest = np.argsort(-off_diagonal, axis=None, kind="stable")[:PAIRS]
+    pairs = [divmod(int(flat), len(class_names)) for flat in largest]
     confused = [{"label": class_names[true], "prediction": class_names[taken], "count": int(matrix[true, taken]),
                  "examples": [image(row) for row in worst[(labels[worst] == true)
                                                           & (predictions[worst] == taken)][:EXAMPLES]]}
@@ -175,26 +176,30 @@ def render_report(summary, *, dataset, training_set, output_dir, arguments):
                 thumbnails[key] = thumbnail(source, image["index"])
             uri, tiny = thumbnails[key]
             name = Path(image["file"]).name if "file" in image else f"#{image['index']}"
-            text = (f"<b>{_e(image['label'])}</b> &rarr; <span class=\"{'good' if image['prediction'] == image['label'] else 'bad'}\">"
-                    f"{_e(image['prediction'])}</span> {image['probability']:.2f}<br>p(given) "
-                    f"{image['label_probability']:.3f}<br><span class=note>{_e(name)}</span>") if caption else ""
+            right = "good" if image["prediction"] == image["label"] else "bad"
+            text = (f"<b>{_e(image['label'])}</b> &rarr; <span class={right}>{_e(image['prediction'])}</span> "
+                    f"{image['probability']:.2f}<br>p(given) {image['label_probability']:.3f}<br>"
+                    f"<span class=note>{_e(name)}</span>") if caption else ""
             figures.append(f"<figure title=\"{_e(image.get('file', name))}\"><img src=\"{uri}\""
-                           f"{' class=tiny' if tiny else ''} alt=\"{_e(name)}\"><figcaption>{text}</figcaption></figure>")
+                           f"{' class=tiny' if tiny else ''} alt=\"{_e(name)}\">"
+                           f"<figcaption>{text}</figcaption></figure>")
         return f"<div class=gallery>{''.join(figures)}</div>"
 
     s = summary
     parts = [f"<h1>{_e(s['title'])}</h1>",
              f"<p class=headline>{s['images']:,} images &middot; accuracy <b>{100 * s['accuracy']:.2f}%</b> &middot; "
              f"macro-F1 {s['macro_f1']:.4f} &middot; loss {s['loss']:.4f}</p><p id=missing class=missing></p>",
-             "<nav><a href=#classes>classes</a><a href=#confused>confused pairs</a><a href=#top-losses>highest loss</a>"
-             "<a href=#label-issues>suspected wrong labels</a><a href=#arguments>arguments</a><a href=#files>files</a></nav>"]
+             "<nav><a href=#classes>classes</a><a href=#confused>confused pairs</a><a href=#top-losses>highest "
+             "loss</a><a href=#label-issues>suspected wrong labels</a><a href=#arguments>arguments</a>"
+             "<a href=#files>files</a></nav>"]
     plots = [f"<img src=\"{_data_uri((output_dir / name).read_bytes(), 'image/png')}\" alt=\"{name}\">"
              for name in ("curves.png", "confusion_matrix.png") if (output_dir / name).is_file()]
     parts.append(f"<section id=plots class=plots>{''.join(plots)}</section>")
 
     rows = "".join(f"<tr><td>{_e(c['class'])}</td><td class=number>{c['images']}</td><td class=number>"
                    f"{100 * c['recall']:.1f}%</td><td class=number>{100 * c['precision']:.1f}%</td><td class=number>"
-                   f"{c['f1']:.3f}</td><td>{_e(c['taken_for'] or '')}</td><td>{gallery(c['worst'], caption=False)}</td></tr>"
+                   f"{c['f1']:.3f}</td><td>{_e(c['taken_for'] or '')}</td>"
+                   f"<td>{gallery(c['worst'], caption=False)}</td></tr>"
                    for c in s["per_class"])
     parts.append("<section id=classes><h2>Classes, lowest recall first</h2><table><tr><th>class</th><th>images</th>"
                  "<th>recall</th><th>precision</th><th>F1</th><th>most often taken for</th><th>its highest-loss images"

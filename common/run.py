@@ -283,7 +283,7 @@ class TrainingRun:
                 train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
             page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set,
                                          class_names=class_names, label_issues=label_issues, training_set=train_set,
-                                         title=f"{self.output_dir}: epoch {self.epoch}, validation",
+                                         title=f"{self.output_dir}: the model after epoch {self.epoch - 1}",
                                          arguments=self.model_info["args"])
             self.accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
                                    + (f" ({label_issues['flagged']} suspected wrong labels among the "

@@ -32,8 +32,8 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
-from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.images import build_eval_transform, list_image_folder  # noqa: E402
+from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
 
@@ -121,7 +121,7 @@ def main(args):
                         f"evaluate.py existed): pass --dataset ({', '.join(DATASETS)})")
     output_dir = check_output_dir(args)
     dataset = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images,
-                                   accelerator=accelerator)
+                            accelerator=accelerator)
     dataset = in_model_classes(dataset, meta["class_names"], args.data_dir or kind)
     if isinstance(dataset, InMemoryDataset):
         if list(dataset.image_size) != list(meta["image_size"]):

@@ -226,5 +226,6 @@ def main(args):
             transform=lambda images: eval_transform(crop(images) if crop else images))
     run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)
 
+
 if __name__ == "__main__":
     run_main(main, parse_args())
