@@ -78,3 +78,12 @@ def test_flipped_training_labels_are_the_most_suspect_and_the_report_opens_in_a_
     assert all(row["label"] == test.classes[test.labels[int(row["index"])]] for row in losses)
     assert [float(row["loss"]) for row in losses] == sorted((float(row["loss"]) for row in losses), reverse=True)
     assert_report_shows(output_dir / "report.html", classes=10, top_losses=SHOWN, label_issues=SHOWN)
+
+
+@pytest.mark.slow
+def test_the_digits_demos_report_opens_in_a_browser(digits_run):
+    """scikit-learn's 8x8 digits, shown enlarged with square pixels: every image loads, all ten classes listed."""
+    shown = assert_report_shows(digits_run / "report.html", classes=10, top_losses=SHOWN,
+                                label_issues=min(SHOWN, len(rows(digits_run / "label_issues.csv"))))
+    assert int(shown.body["data-images"]) > SHOWN + 2 * 10  # the highest-loss gallery, the plots, the class table
+    assert (digits_run / "report.html").read_text().count(" class=tiny alt=") >= SHOWN  # enlarged with square pixels
