@@ -63,7 +63,9 @@ def resolve_args(args, *, parse_args):
     finished = finished_because(checkpoint, epochs=args.epochs, max_steps=args.max_steps,
                                 patience=getattr(args, "patience", None))
     if finished and args.resume == "auto":
-        unreported = not (Path(args.output_dir) / "classification_report.json").exists()  # it stopped writing them
+        # report.html is the last file a finished run writes: without it (a full disk at the end) the run stopped
+        # writing its final reports, and evaluate.py writes them
+        unreported = not (Path(args.output_dir) / "report.html").exists()
         raise NothingToDo(f"--resume auto: the run in {args.output_dir} is finished ({finished}): nothing to do. "
                           f"Its best model is in {Path(args.output_dir) / 'best'}"
                           + (f"; its final reports were not written (scripts/evaluate.py --model_dir "
