@@ -231,9 +231,16 @@ def failed_write_is_said(path):
         yield
     except Exception as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else _probe_write(Path(path).parent)
+        if reason is None and re.search(SHORT_WRITE, f"{error} {error.__context__}"):
+            # the disk refused a block, then had room again (ext4 gives back a failed file's reservations)
+            reason = f"the disk stopped the write short, full at that moment ({' '.join(str(error).split())})"
         if reason is None:
             raise
         raise WriteFailed(path, reason) from None
+
+
+# what PyTorch's zip writer and safetensors say when the disk refused a write, without saying why
+SHORT_WRITE = r"unexpected pos|iostream error|failed writing file|StorageFull|No space left|quota"
 
 
 def write_if_possible(path, write):

@@ -22,6 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"  # small real images, made by tests/fixtures/make_fixtures.py
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
+NEEDS_GB = 4  # the largest test's folder (checkpoints of ResNet-50) and the session's shared data, with room
+
+
+def pytest_sessionstart(session):
+    """A disk too full for the suite is one message before it starts, not checkpoint writes failing half an hour in."""
+    base = Path(session.config._tmp_path_factory.getbasetemp()).parent
+    free = shutil.disk_usage(base).free / 1e9
+    if free < NEEDS_GB:
+        pytest.exit(f"only {free:.1f} GB free in {base}, where the tests write their runs; they need about {NEEDS_GB} "
+                    "GB: free some space there (or set --basetemp / TMPDIR to a roomier place)", returncode=3)
 
 
 def require(path, how):

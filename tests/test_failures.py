@@ -190,6 +190,19 @@ def test_the_one_writer_names_the_file_the_reason_and_the_free_space_and_leaves_
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "model.pt"]
         assert (disk / "model.pt").read_text() == "the earlier file"
 
+        def stopped_short_then_room_again(tmp):  # ext4 gives back a failed file's reserved blocks
+            try:
+                torch.save(torch.zeros(1 << 16), tmp)
+            finally:
+                (disk / "filler").unlink()
+
+        with pytest.raises(WriteFailed) as failed:
+            write_atomically(disk / "model.pt", stopped_short_then_room_again)
+        assert re.match(rf"cannot write {disk / 'model.pt'}: the disk stopped the write short, full at that moment "
+                        r"\(.*unexpected pos \d+ vs \d+\) \([\d.]+ [kM]B free there\)\. Nothing half-written",
+                        str(failed.value)), str(failed.value)
+        assert sorted(p.name for p in disk.iterdir()) == ["model.pt"]
+
 
 @pytest.mark.slow
 def test_predict_evaluate_and_compute_mean_std_on_a_full_disk_say_so_and_write_nothing(tmp_path, digits_run,
