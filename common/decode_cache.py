@@ -46,8 +46,8 @@ def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}. Remove it, or pass --skip_bad_images "
                         "to leave unreadable images out")
-    bad_files = {path for path, _ in bad}
-    good = [i for i, path in enumerate(files) if path not in bad_files]
+    bad_files = {str(path) for path, _ in bad}
+    good = [i for i, path in enumerate(files) if str(path) not in bad_files]
     if files and not good:
         raise UserError(f"none of the {len(files)} images could be read, e.g. {bad[0][0]}: {bad[0][1]}")
     return good, bad, images
@@ -103,7 +103,9 @@ def _size_name(spec):
 
 
 def _fingerprint(files):
-    """A hash of the files' names, sizes and modification times."""
+    """A hash of the files' names, sizes and modification times (a Hugging Face split's: its own fingerprint)."""
+    if hasattr(files, "fingerprint"):
+        return files.fingerprint()
     stats = []
     for path in files:
         try:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .data import InMemoryDataset, build_dataloader, mix_seed
 from .decode_cache import check_images, machine_share
 from .errors import UserError
+from .hf import find_hf_splits, is_hf
 from .images import check_classes, folder_entries, list_image_folder, read_image, split_dataset
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -73,9 +74,16 @@ def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3)
     return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
-def find_splits(data_dir, *, val_fraction, seed):
-    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`; a split is a dict of
-    "files", "labels", "classes", "name" (train, val) and "root" (`data_dir`)."""
+def find_splits(data_dir, *, val_fraction, seed, hf_options=None):
+    """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`, or from a Hugging Face
+    dataset (`hf:...`, chosen by `hf_options`: common.hf.hf_options); a split is a dict of "files", "labels",
+    "classes", "name" (train, val), "root" (where its decode cache goes) and "source" (the data, in words)."""
+    if is_hf(data_dir):
+        return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, **(hf_options or {}))
+    given = [f"--{name}" for name, value in (hf_options or {}).items() if value is not None]
+    if given:
+        raise UserError(f"{' and '.join(given)} choose(s) a Hugging Face dataset's splits and columns, and "
+                        f"--data_dir {data_dir} is a folder: drop {given[0]}, or pass --data_dir hf:NAME_OR_PATH")
     root = Path(data_dir)
     has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
     if has_train and not has_val and has_test:
@@ -102,8 +110,9 @@ def find_splits(data_dir, *, val_fraction, seed):
         parts = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
         splits = {name: ([files[i] for i in part], [labels[i] for i in part]) for name, part in zip(("train", "val"),
                                                                                                    parts)}
-    train, val = ({"files": files, "labels": labels, "classes": classes, "name": name, "root": root}
-                  for name, (files, labels) in splits.items())
+    source = str(root) if has_train else f"{root} (split here: --val_fraction {val_fraction}, stratified, --seed)"
+    train, val = ({"files": files, "labels": labels, "classes": classes, "name": name, "root": root,
+                   "source": source} for name, (files, labels) in splits.items())
     return train, val, classes, skipped
 
 
@@ -117,8 +126,9 @@ def build_folder_dataset(split, *, transform, skip_bad_images, cache=None, seed=
     in `left_out`). `cache`: the eval_transform spec the images are decoded to once, into the decode cache. With a
     cache and no `transform`, an InMemoryDataset over the mapped cache instead: a batch is one gather, no workers,
     no Python per image, so that the CPU only copies bytes while the device augments."""
+    record = split["root"] / f".checked-{split['name']}.json" if split["root"] else None  # None: a dataset in memory
     good, bad, images = check_images(split["files"], skip_bad_images=skip_bad_images, cache=cache,
-                                     accelerator=accelerator, record=split["root"] / f".checked-{split['name']}.json")
+                                     accelerator=accelerator, record=record)
     labels, classes = [split["labels"][i] for i in good], split["classes"]
     if images is not None and transform is None:
         dataset = InMemoryDataset(images, torch.tensor(labels), classes, rows=good,

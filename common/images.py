@@ -100,9 +100,10 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
 
 
 def read_image(path, *, channels=3):
-    """An image file as an RGB (`channels` 3) or grayscale PIL image; OSError or ValueError if unreadable."""
+    """An image file (or a source with `open()`, a Hugging Face dataset's image: common.hf.HFImage) as an RGB
+    (`channels` 3) or grayscale PIL image; OSError or ValueError if unreadable."""
     try:
-        with Image.open(path) as image:
+        with Image.open(path if isinstance(path, (str, os.PathLike)) else path.open()) as image:
             return convert_image(image, channels=channels)
     except Image.DecompressionBombError as error:  # not an OSError: make it one more unreadable image
         raise ValueError(str(error)) from None

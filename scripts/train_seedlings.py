@@ -49,6 +49,7 @@ from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnega
 from common.folders import (balanced_class_weights, balanced_sampling_weights, build_file_dataloader,  # noqa: E402
                             build_folder_dataset, build_train_transform, choose_cache, choose_num_workers,
                             find_splits, random_resized_crop, read_mean_std, training_cache)
+from common.hf import add_hf_args, hf_options  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
 from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
@@ -88,6 +89,7 @@ def parse_args(argv=None):
     parser.add_argument("--patience", type=positive_int, default=None,
                         help="stop after N epochs without a better val accuracy (default: train every epoch)")
     add_common_args(parser)
+    add_hf_args(parser)
     parser.set_defaults(output_dir="outputs/seedlings", epochs=20, batch_size=32, weight_decay=0.0,
                         label_smoothing=0.1, schedule="cosine", warmup_fraction=0.0, max_grad_norm=5.0)
     return parser.parse_args(argv)
@@ -110,7 +112,7 @@ def main(args):
     # data: files listed and split the same way on every rank, every image decoded once up front
     mean, std = read_mean_std(args.mean_std)
     train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
-                                                           seed=args.seed)
+                                                           seed=args.seed, hf_options=hf_options(args))
     model_info = describe_model(args.model, classes, image_size=(args.image_size, args.image_size),
                                 normalize=(mean, std), dataset="folder",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
@@ -178,7 +180,7 @@ def main(args):
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     workers = [name for name, dataset in (("training", train_set), ("evaluation", eval_set))
                if not isinstance(dataset, InMemoryDataset)]
-    accelerator.print(f"{args.data_dir}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
+    accelerator.print(f"{train_split['source']}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
                       f"images, {total_steps} optimizer steps, {lr_rule}; decode cache "
                       f"{'on' if cache_images else 'off'} ({cache_rule}); "
                       + (f"{num_workers} loader workers per process for {' and '.join(workers)} ({workers_rule}); "

@@ -1,0 +1,256 @@
+"""Hugging Face datasets in (`--data_dir hf:NAME_OR_PATH`), as the same splits as a folder of class folders.
+
+`hf:NAME` is a dataset on the Hub (or in the local cache with HF_HUB_OFFLINE=1), `hf:DIR` a folder written by
+`save_to_disk` or a folder of data files (parquet, ...; `datasets` infers the splits from the file names), and
+`hf:parquet:GLOB` (or csv:, json:, imagefolder:) data files of that format. `datasets` does the loading; a split
+becomes what `common.folders.find_splits` gives for a folder: "files" that `read_image` opens (each an `HFImage`,
+its encoded bytes undecoded until a worker or the decode cache reads it), "labels", "classes", "name", and "root",
+the folder where the decode cache and its record go (the split's own Arrow files; None for a set in memory).
+"""
+
+import hashlib
+import io
+import os
+from pathlib import Path
+
+from .errors import UserError
+from .images import split_dataset
+
+PREFIX = "hf:"
+VAL_SPLITS = ("validation", "valid", "val", "test")  # the first one a dataset has chooses the best model
+FORMATS = ("parquet", "arrow", "csv", "json", "imagefolder", "webdataset")  # hf:FORMAT:GLOB
+
+
+def is_hf(data_dir):
+    return str(data_dir).startswith(PREFIX)
+
+
+def add_hf_args(parser):
+    """The flags that choose a Hugging Face dataset's splits and columns (defaults: found by name and type)."""
+    parser.add_argument("--train_split", default=None, help="hf: the training split (default: train)")
+    parser.add_argument("--val_split", default=None,
+                        help=f"hf: the split that chooses the best model (default: the first of {', '.join(VAL_SPLITS)}; "
+                             "without one, --val_fraction of the training split)")
+    parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
+    parser.add_argument("--label_column", default=None,
+                        help="hf: the label column (default: the ClassLabel feature); strings or integers become "
+                             "classes by sorted value")
+
+
+def hf_options(args):
+    """The --train_split, --val_split, --image_column, --label_column of `args` (None where a script lacks them)."""
+    return {name: getattr(args, name, None) for name in ("train_split", "val_split", "image_column", "label_column")}
+
+
+def load_hf(data_dir):
+    """{split name: datasets.Dataset} of `hf:...`; one message for a name that is neither a folder nor a dataset
+    the Hub (or the offline cache) knows."""
+    import datasets  # imported here: only this source needs it (2 s)
+
+    spec = str(data_dir)[len(PREFIX):]
+    kind, _, files = spec.partition(":")
+    try:
+        if kind in FORMATS and files:
+            loaded = datasets.load_dataset(kind, data_files=files)
+        elif Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json")):
+            loaded = datasets.load_from_disk(spec)
+        else:
+            loaded = datasets.load_dataset(spec)
+    except Exception as error:  # datasets raises a dozen kinds: not found, offline, a format it cannot read
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise UserError(
+            f"cannot load {data_dir}: {' '.join(str(error).split()) or type(error).__name__}. It is read as "
+            + (f"{kind} files matching {files!r}" if kind in FORMATS and files else
+               f"a Hub dataset name{' (offline: HF_HUB_OFFLINE=1, from the local cache only)' if offline else ''}, "
+               "a folder written by save_to_disk, or a folder of data files")
+            + f"; data files of one format are hf:parquet:GLOB (also {', '.join(FORMATS[1:])})") from None
+    return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+
+
+def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=None, image_column=None,
+                   label_column=None):
+    """(train, val, classes, skipped) as `find_splits` gives them for a folder; each split's "source" says in words
+    which splits and columns were chosen and why, for the first log line."""
+    splits = load_hf(data_dir)
+    train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
+    given_val = val_split is not None
+    val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if given_val
+                else next((name for name in VAL_SPLITS if name in splits and name != train_name), None))
+    train = splits[train_name]
+    image_column = _column(train, image_column, "Image", "--image_column", data_dir, train_name)
+    label_column = _column(train, label_column, "ClassLabel", "--label_column", data_dir, train_name)
+    if image_column == label_column:
+        raise UserError(f"--image_column and --label_column are both {image_column!r}: give two columns")
+    labels, classes, named = _classes(train, label_column, data_dir, train_name)
+    if len(classes) < 2:
+        raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
+                        f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
+    how = [f"{data_dir}: split {train_name!r} trains"]
+    if val_name is None:
+        train_rows, val_rows = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
+        parts = {"train": (train, train_rows, [labels[i] for i in train_rows]),
+                 "val": (train, val_rows, [labels[i] for i in val_rows])}
+        how.append(f"no {' / '.join(VAL_SPLITS)} split: {len(val_rows)} of its images validate (--val_fraction "
+                   f"{val_fraction}, stratified, --seed)")
+    else:
+        val = splits[val_name]
+        _column(val, image_column, "Image", "--image_column", data_dir, val_name)
+        _column(val, label_column, "ClassLabel", "--label_column", data_dir, val_name)
+        val_labels = _labels_as(val, label_column, classes, data_dir, val_name)
+        parts = {"train": (train, range(len(train)), labels), "val": (val, range(len(val)), val_labels)}
+        how.append(f"{val_name!r} validates" + ("" if given_val else f" (the first of {', '.join(VAL_SPLITS)} "
+                                                                    "it has; --val_split chooses another)"))
+    how.append(f"images from column {image_column!r}, labels from {label_column!r}"
+               + ("" if named else f" ({len(classes)} classes: its values, sorted)"))
+    how = "; ".join(how)
+    result = []
+    for name, (dataset, rows, part_labels) in parts.items():
+        if not len(rows):
+            raise UserError(f"{data_dir}: its split {val_name if name == 'val' and val_name else train_name!r} "
+                            "has no rows: nothing to train or validate on")
+        images = HFImages(dataset, image_column, rows, name=f"{data_dir}[{val_name if name == 'val' and val_name else train_name}]")
+        result.append({"files": images, "labels": list(part_labels), "classes": classes, "name": name,
+                       "root": images.folder, "source": how})
+    return (*result, classes, [])
+
+
+def _split_name(splits, given, defaults, flag, data_dir):
+    for name in ([given] if given is not None else defaults):
+        if name in splits:
+            return name
+    wanted = repr(given) if given is not None else " or ".join(map(repr, defaults))
+    raise UserError(f"{data_dir} has no split {wanted}; its splits: {', '.join(map(repr, splits))}. Choose one with "
+                    f"{flag}")
+
+
+def _column(dataset, given, kind, flag, data_dir, split):
+    """The column `given`, else the one whose feature is `kind` (Image, ClassLabel)."""
+    import datasets
+
+    features = dataset.features
+    described = ", ".join(f"{name} ({type(feature).__name__})" for name, feature in features.items())
+    if given is not None:
+        if given not in features:
+            raise UserError(f"{data_dir} split {split!r} has no column {given!r} ({flag}); its columns: {described}")
+        return given
+    found = [name for name, feature in features.items() if isinstance(feature, getattr(datasets, kind))]
+    if len(found) != 1:
+        raise UserError(f"{data_dir} split {split!r} has {'no' if not found else 'more than one'} {kind} column "
+                        f"({described}): name the {'images' if kind == 'Image' else 'labels'} with {flag}")
+    return found[0]
+
+
+def _classes(dataset, column, data_dir, split):
+    """(labels, class names, whether the column names them): a ClassLabel's names, else the sorted values."""
+    import datasets
+
+    feature = dataset.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        return _values(dataset, column, data_dir, split), list(feature.names), True
+    values = _values(dataset, column, data_dir, split)
+    classes = sorted(set(values))
+    index = {value: i for i, value in enumerate(classes)}
+    return [index[value] for value in values], [str(value) for value in classes], False
+
+
+def _labels_as(dataset, column, classes, data_dir, split):
+    """The labels of another split in the training split's `classes` (by name: a ClassLabel's order may differ)."""
+    import datasets
+
+    feature = dataset.features[column]
+    values = _values(dataset, column, data_dir, split)
+    names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+    index = {name: i for i, name in enumerate(classes)}
+    labels = []
+    for row, value in enumerate(values):
+        name = names[value] if names else str(value)
+        if name not in index:
+            raise UserError(f"{data_dir} split {split!r} row {row} has label {name!r}, which the training split does "
+                            f"not have (its classes: {', '.join(classes)})")
+        labels.append(index[name])
+    return labels
+
+
+def _values(dataset, column, data_dir, split):
+    """The column's values; refused where they are not classes (floats, lists, missing ones)."""
+    values = (dataset.data if dataset._indices is None else dataset.flatten_indices().data).column(column).to_pylist()
+    for row, value in enumerate(values):
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, str)):
+            what = "is empty" if value is None else f"is {value!r} ({type(value).__name__})"
+            raise UserError(f"{data_dir} split {split!r} column {column!r} row {row} {what}: labels must be class "
+                            "names (strings) or integers. Name the label column with --label_column")
+        if isinstance(value, int) and value < 0:  # ClassLabel's "no label"
+            raise UserError(f"{data_dir} split {split!r} column {column!r} row {row} has no label ({value}): remove "
+                            "the unlabelled rows (Dataset.filter) or choose another split")
+    return values
+
+
+class HFImages:
+    """The images of `rows` of a split's `column`, undecoded: item i is an HFImage that `read_image` opens. Passed to
+    DataLoader workers by pickling, which for a dataset read from disk is its file names (Arrow maps the files)."""
+
+    def __init__(self, dataset, column, rows, *, name):
+        import datasets
+
+        if dataset._indices is not None:  # a selection or shuffle not yet written: rows as they are seen
+            dataset = dataset.flatten_indices()
+        self.dataset = dataset.select_columns([column]).cast_column(column, datasets.Image(decode=False))
+        self.column, self.rows, self.name = column, list(rows), name
+        self._paths = None
+        files = [Path(file["filename"]) for file in dataset.cache_files]
+        self.folder = files[0].parent if files else None
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [HFImage(self, i) for i in range(len(self))[index]]
+        return HFImage(self, index)
+
+    def __iter__(self):
+        return (HFImage(self, i) for i in range(len(self)))
+
+    def encoded(self, index):
+        """A file object of item `index`'s encoded image (its bytes, or the file it names)."""
+        item = self.dataset[self.rows[index]][self.column]
+        if item is None:
+            raise ValueError("the row has no image")
+        return io.BytesIO(item["bytes"]) if item.get("bytes") else open(item["path"], "rb")
+
+    def __getstate__(self):  # to a worker: the dataset (for one read from disk, its file names), not the paths
+        return {**self.__dict__, "_paths": None}
+
+    def path(self, index):
+        """The file name item `index` came from, as the dataset keeps it ('' where it keeps none)."""
+        if self._paths is None:  # read once, from the Arrow column alone
+            column = self.dataset.data.column(self.column)
+            self._paths = column.combine_chunks().field("path").to_pylist() if column.type.num_fields else []
+        return (self._paths[self.rows[index]] or "") if self._paths else ""
+
+    def fingerprint(self):
+        """The dataset's fingerprint (`datasets` changes it with every change of its data), the column and rows."""
+        rows = hashlib.sha256(",".join(map(str, self.rows)).encode()).hexdigest()
+        return hashlib.sha256(f"{self.dataset._fingerprint}:{self.column}:{rows}".encode()).hexdigest()
+
+
+class HFImage:
+    """One image of an HFImages: `read_image` opens it; named `hf:NAME[split][row]` in messages and reports."""
+
+    def __init__(self, images, index):
+        self.images, self.index = images, index
+
+    def open(self):
+        return self.images.encoded(self.index)
+
+    def __str__(self):
+        path = self.images.path(self.index)
+        return f"{self.images.name}[{self.images.rows[self.index]}]" + (f" ({path})" if path else "")
+
+    __repr__ = __str__
+
+    def __eq__(self, other):
+        return isinstance(other, HFImage) and (self.images, self.index) == (other.images, other.index)
+
+    def __hash__(self):
+        return hash((id(self.images), self.index))
