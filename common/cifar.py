@@ -9,20 +9,22 @@ import numpy as np
 import torch
 
 from .data import InMemoryDataset, check_labels, download_dataset
-from .decode_cache import check_images
+from .decode_cache import decode_split
 from .errors import UserError
-from .images import build_eval_transform, check_classes, convert_image, list_image_folder
+from .hf import find_hf_splits, is_hf
+from .images import check_classes, list_image_folder
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-def build_cifar10(data_dir, *, download=False, accelerator=None):
+def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None):
     """(train, test) InMemoryDatasets from the python batches, their .tar.gz, an ImageFolder tree (train/ and
-    test/ or val/; decoded once, shared out among the `accelerator`'s processes) or `hf:NAME`."""
-    data_dir = str(data_dir)
-    if data_dir.startswith("hf:"):
-        return _cifar10_from_hf(data_dir[3:])
+    test/ or val/) or a Hugging Face dataset (`hf:NAME_OR_PATH`, its splits and columns chosen by `hf_options`);
+    images from files decoded once, shared out among the `accelerator`'s processes."""
+    if is_hf(data_dir):
+        train, test, _, _ = find_hf_splits(data_dir, val_fraction=None, seed=None, **(hf_options or {}))
+        return tuple(decode_split(split, size=(32, 32), accelerator=accelerator) for split in (train, test))
     root = Path(data_dir)
     found = _find_cifar10(root)
     if download and (found is None or found == ("archive", root / "cifar-10-python.tar.gz")
@@ -117,51 +119,14 @@ def _cifar10_from_batches(kind, path):
             dataset(*test))
 
 
-def _cifar10_from_hf(name_or_path):
-    import datasets  # imported here: only this source needs it
-
-    if Path(name_or_path).exists():
-        try:
-            splits = datasets.load_from_disk(name_or_path)
-        except FileNotFoundError:
-            raise UserError(f"hf:{name_or_path} is a folder but not a dataset saved with datasets' save_to_disk. For "
-                            f"a folder of images pass --data_dir {name_or_path} (without hf:)") from None
-    else:
-        try:
-            splits = datasets.load_dataset(name_or_path)
-        except Exception as error:
-            raise UserError(f"cannot load Hugging Face dataset {name_or_path!r} (not a local folder saved with "
-                            f"save_to_disk, and the hub said: {error})") from None
-    if not {"train", "test"} <= set(splits):
-        raise UserError(f"Hugging Face dataset {name_or_path!r} needs 'train' and 'test' splits, has {list(splits)}")
-    return tuple(_from_hf_split(splits[split], name_or_path) for split in ("train", "test"))
-
-
-def _from_hf_split(split, name):
-    import datasets
-
-    image_column = next((c for c, f in split.features.items() if isinstance(f, datasets.Image)), None)
-    label_column = next((c for c, f in split.features.items() if isinstance(f, datasets.ClassLabel)), None)
-    if image_column is None or label_column is None:
-        raise UserError(f"Hugging Face dataset {name!r} needs an Image column and a ClassLabel column, "
-                        f"has {dict(split.features)}")
-    resize = build_eval_transform({"resize": [32, 32]})  # as the folder layout decodes, and predict.py reads
-    images = torch.stack([resize(convert_image(image)) for image in split[image_column]])
-    labels = torch.tensor(split[label_column], dtype=torch.long)
-    return InMemoryDataset(images, labels, split.features[label_column].names)
-
-
 def load_image_folder(root, *, size, accelerator=None):
     """A `root/<class>/<image>` tree as an InMemoryDataset of RGB images resized to `size` (PIL bilinear), decoded
     once into the decode cache beside it (ROOT/../.checked-NAME-HxW.npy, shared out among the `accelerator`'s
     processes): CIFAR-10's 60,000 JPEGs are read back in a second the next time."""
     root = Path(root)
     files, labels, classes, _ = list_image_folder(root)
-    _, bad, images = check_images(files, skip_bad_images=True, cache={"resize": list(size)}, accelerator=accelerator,
-                                  record=root.parent / f".checked-{root.name}.json")
-    if bad:
-        raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}. Remove it, or replace it with a readable copy")
-    return InMemoryDataset(images, torch.tensor(labels), classes, files=files)
+    return decode_split({"files": files, "labels": labels, "classes": classes, "root": root.parent,
+                         "name": root.name}, size=size, accelerator=accelerator)
 
 
 # for scripts/evaluate.py: each dataset by the name describe_model records, as (data_dir, seed) -> (train, test)

@@ -14,13 +14,14 @@ from .images import split_dataset
 class InMemoryDataset(torch.utils.data.Dataset):
     """uint8 images (N, C, H, W) and labels; batches are dicts of image, label and index. `rows`: each sample's row
     of `images`, where it holds more (the decode cache keeps a row for every file, unreadable ones included);
-    `files`: each sample's file, where it was decoded from one (for reports)."""
+    `files`: each sample's file, where it was decoded from one (for reports); `source`: where they came from, in
+    words, where more than the dataset's name says it (a Hugging Face dataset's chosen splits and columns)."""
 
-    def __init__(self, images, labels, classes, *, rows=None, files=None):
+    def __init__(self, images, labels, classes, *, rows=None, files=None, source=None):
         assert images.dtype == torch.uint8 and images.ndim == 4 and len(labels) == len(images if rows is None else rows)
         self.images, self.labels, self.classes = images.contiguous(), labels.long(), list(classes)
         self.rows = None if rows is None else torch.as_tensor(rows, dtype=torch.long)
-        self.files = files
+        self.files, self.source = files, source
 
     @property
     def image_size(self):

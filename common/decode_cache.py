@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
+from .data import InMemoryDataset
 from .errors import UserError
 from .images import build_eval_transform, read_image
 from .outputs import publish, write_if_possible
@@ -33,10 +34,11 @@ def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record
     that keeps it (None: nothing is kept).
     """
     shrink = build_eval_transform(cache) if cache else None
+    channels = cache.get("channels", 3) if cache else 3
 
     def decode(path):
         try:
-            image = read_image(path)
+            image = read_image(path, channels=channels)
             return shrink(image) if shrink else True
         except (OSError, ValueError) as error:
             return error
@@ -53,13 +55,26 @@ def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record
     return good, bad, images
 
 
+def decode_split(split, *, size, channels=3, accelerator=None):
+    """A split as `find_splits` gives it (image files, or a Hugging Face dataset's images) as an InMemoryDataset of
+    RGB (`channels` 3) or grayscale images resized to `size`, decoded once into the decode cache, shared out among
+    the processes. An unreadable image stops it, named."""
+    record = split["root"] / f".checked-{split['name']}.json" if split["root"] else None
+    _, bad, images = check_images(split["files"], skip_bad_images=True, accelerator=accelerator, record=record,
+                                  cache={"resize": list(size), "channels": channels})
+    if bad:
+        raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}. Remove it, or replace it with a readable copy")
+    return InMemoryDataset(images, torch.tensor(split["labels"]), split["classes"], files=split["files"],
+                           source=split.get("source"))
+
+
 def _decode_unless_recorded(files, decode, *, accelerator, record, cache):
     """([(file, error)] of the unreadable `files`, the cache or None). The main process reads the record and
     decides for all (another run may be writing it right now), and writes it."""
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     fingerprint = _fingerprint(files) if rank == 0 else None
     decoded = Path(record).with_name(f"{Path(record).stem}-{_size_name(cache)}.npy") if record and cache else None
-    shape = (len(files), 3, *_size(cache)) if cache else None
+    shape = (len(files), cache.get("channels", 3), *_size(cache)) if cache else None
     kept = _read_record(record, fingerprint, decoded, shape) if rank == 0 else None
     kept = broadcast_object_list([kept])[0] if processes > 1 else kept
     if kept is not None:
@@ -68,7 +83,7 @@ def _decode_unless_recorded(files, decode, *, accelerator, record, cache):
         return [(Path(path), error) for path, error in kept], _map(decoded)
 
     if cache:
-        bad, shares, images = _decode_shared_out(files, decode, decoded, _size(cache), accelerator)
+        bad, shares, images = _decode_shared_out(files, decode, decoded, shape[1:], accelerator)
     else:
         share = files[rank::processes]
         mine = [(str(path), f"{result}") for path, result in zip(share, _decode_all(decode, share))
@@ -97,7 +112,7 @@ def _size_name(spec):
     """55px (short side resized to 55, center square cropped: the folder datasets' training cache), 55to48px
     (resized to 55, center 48 cropped: their evaluation cache) or 32x32 (resized to that size)."""
     if "center_crop" not in spec:
-        return "x".join(map(str, _size(spec)))
+        return "x".join(map(str, _size(spec))) + ("-gray" if spec.get("channels", 3) == 1 else "")
     crop = _size(spec)[0]
     return f"{crop}px" if spec["resize"] == crop else f"{spec['resize']}to{crop}px"
 
@@ -132,8 +147,8 @@ def _read_record(record, fingerprint, decoded, shape):
         return None
 
 
-def _decode_shared_out(files, decode, path, size, accelerator):
-    """([(file, error)], each process's share, uint8 (N, 3, H, W)). The machine's main process creates the .npy
+def _decode_shared_out(files, decode, path, shape, accelerator):
+    """([(file, error)], each process's share, uint8 (N, *shape)). The machine's main process creates the .npy
     under a temporary name, each of the machine's processes decodes every n-th file into its rows, then the main
     process renames it and every process maps it. Where it cannot be written, every process decodes all of them
     into memory instead."""
@@ -144,7 +159,7 @@ def _decode_shared_out(files, decode, path, size, accelerator):
         _remove_dead_leftovers(path)
         tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp.npy")
         try:
-            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), 3, *size)).flush()
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), *shape)).flush()
             with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
                 os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
         except OSError:
@@ -154,7 +169,7 @@ def _decode_shared_out(files, decode, path, size, accelerator):
         tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
     if tmp is None:
         results = _decode_all(decode, files)
-        blank = torch.zeros(3, *size, dtype=torch.uint8)
+        blank = torch.zeros(shape, dtype=torch.uint8)
         images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
         return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
     rows = range(rank, len(files), processes)

@@ -19,27 +19,37 @@ from .images import split_dataset
 PREFIX = "hf:"
 VAL_SPLITS = ("validation", "valid", "val", "test")  # the first one a dataset has chooses the best model
 FORMATS = ("parquet", "arrow", "csv", "json", "imagefolder", "webdataset")  # hf:FORMAT:GLOB
+DATA_FILES = (".parquet", ".arrow", ".csv", ".json", ".jsonl", ".tar")  # a folder of these is hf:DIR
 
 
 def is_hf(data_dir):
     return str(data_dir).startswith(PREFIX)
 
 
-def add_hf_args(parser):
-    """The flags that choose a Hugging Face dataset's splits and columns (defaults: found by name and type)."""
-    parser.add_argument("--train_split", default=None, help="hf: the training split (default: train)")
-    parser.add_argument("--val_split", default=None,
-                        help=f"hf: the split that chooses the best model (default: the first of {', '.join(VAL_SPLITS)}; "
-                             "without one, --val_fraction of the training split)")
+def add_hf_args(parser, *, splits=True):
+    """The flags that choose a Hugging Face dataset's columns and (`splits`) its training and validation splits;
+    by default found by type and name."""
+    if splits:
+        parser.add_argument("--train_split", default=None, help="hf: the training split (default: train)")
+        parser.add_argument("--val_split", default=None,
+                            help=f"hf: the split that chooses the best model (default: the first of "
+                                 f"{', '.join(VAL_SPLITS)}; without one, --val_fraction of the training split)")
     parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
     parser.add_argument("--label_column", default=None,
                         help="hf: the label column (default: the ClassLabel feature); strings or integers become "
                              "classes by sorted value")
 
 
+def _has_data_files(folder):
+    """Whether `folder`, or a folder in it (the Hub's data/ or train/), holds data files `datasets` loads."""
+    return any(path.suffix in DATA_FILES and not path.name.startswith(".")  # not our .checked-*.json records
+               for path in [*folder.glob("*"), *folder.glob("*/*")])
+
+
 def hf_options(args):
-    """The --train_split, --val_split, --image_column, --label_column of `args` (None where a script lacks them)."""
-    return {name: getattr(args, name, None) for name in ("train_split", "val_split", "image_column", "label_column")}
+    """Those of --train_split, --val_split, --image_column, --label_column that the script of `args` has."""
+    return {name: getattr(args, name) for name in ("train_split", "val_split", "image_column", "label_column")
+            if hasattr(args, name)}
 
 
 def load_hf(data_dir):
@@ -54,8 +64,13 @@ def load_hf(data_dir):
             loaded = datasets.load_dataset(kind, data_files=files)
         elif Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json")):
             loaded = datasets.load_from_disk(spec)
+        elif Path(spec).is_dir() and not _has_data_files(Path(spec)):
+            raise UserError(f"{data_dir} is a folder, but neither one written by save_to_disk nor one of data files "
+                            f"({', '.join(DATA_FILES)}). For a folder of images pass --data_dir {spec} (without hf:)")
         else:
             loaded = datasets.load_dataset(spec)
+    except UserError:
+        raise
     except Exception as error:  # datasets raises a dozen kinds: not found, offline, a format it cannot read
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         raise UserError(
@@ -70,7 +85,8 @@ def load_hf(data_dir):
 def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=None, image_column=None,
                    label_column=None):
     """(train, val, classes, skipped) as `find_splits` gives them for a folder; each split's "source" says in words
-    which splits and columns were chosen and why, for the first log line."""
+    which splits and columns were chosen and why, for the first log line. Without a validation split, `val_fraction`
+    of the training split validates (None: refused)."""
     splits = load_hf(data_dir)
     train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
     given_val = val_split is not None
@@ -86,6 +102,9 @@ def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=
         raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
                         f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
     how = [f"{data_dir}: split {train_name!r} trains"]
+    if val_name is None and val_fraction is None:
+        raise UserError(f"{data_dir} has no held-out split ({', '.join(VAL_SPLITS)}); its splits: "
+                        f"{', '.join(map(repr, splits))}. Name the one to score with --val_split")
     if val_name is None:
         train_rows, val_rows = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
         parts = {"train": (train, train_rows, [labels[i] for i in train_rows]),
@@ -103,15 +122,33 @@ def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=
     how.append(f"images from column {image_column!r}, labels from {label_column!r}"
                + ("" if named else f" ({len(classes)} classes: its values, sorted)"))
     how = "; ".join(how)
-    result = []
-    for name, (dataset, rows, part_labels) in parts.items():
-        if not len(rows):
-            raise UserError(f"{data_dir}: its split {val_name if name == 'val' and val_name else train_name!r} "
-                            "has no rows: nothing to train or validate on")
-        images = HFImages(dataset, image_column, rows, name=f"{data_dir}[{val_name if name == 'val' and val_name else train_name}]")
-        result.append({"files": images, "labels": list(part_labels), "classes": classes, "name": name,
-                       "root": images.folder, "source": how})
-    return (*result, classes, [])
+    split_names = {"train": train_name, "val": val_name or train_name}
+    train, val = (_as_split(dataset, image_column, rows, part_labels, classes, data_dir=data_dir,
+                            split=split_names[name], name=name, source=how)
+                  for name, (dataset, rows, part_labels) in parts.items())
+    return train, val, classes, []
+
+
+def find_hf_split(data_dir, split, *, image_column=None, label_column=None):
+    """One split of a Hugging Face dataset (scripts/evaluate.py), as `find_hf_splits` gives them; its classes are
+    its own (a ClassLabel's names, else its sorted values)."""
+    splits = load_hf(data_dir)
+    name = _split_name(splits, split, (), "--split", data_dir)
+    dataset = splits[name]
+    image_column = _column(dataset, image_column, "Image", "--image_column", data_dir, name)
+    label_column = _column(dataset, label_column, "ClassLabel", "--label_column", data_dir, name)
+    labels, classes, _ = _classes(dataset, label_column, data_dir, name)
+    return _as_split(dataset, image_column, range(len(dataset)), labels, classes, data_dir=data_dir, split=name,
+                     name=f"hf-{name}", source=f"{data_dir} split {name!r}")
+
+
+def _as_split(dataset, image_column, rows, labels, classes, *, data_dir, split, name, source):
+    """The dict `find_splits` gives for a folder, of `rows` of a dataset."""
+    if not len(rows):
+        raise UserError(f"{data_dir}: its split {split!r} has no rows: nothing to train or evaluate on")
+    images = HFImages(dataset, image_column, rows, name=f"{data_dir}[{split}]")
+    return {"files": images, "labels": list(labels), "classes": classes, "name": name, "root": images.folder,
+            "source": source}
 
 
 def _split_name(splits, given, defaults, flag, data_dir):

@@ -7,7 +7,9 @@ import numpy as np
 import torch
 
 from .data import InMemoryDataset, check_labels, download_dataset
+from .decode_cache import decode_split
 from .errors import UserError
+from .hf import find_hf_splits, is_hf
 
 MNIST_CLASSES = [str(digit) for digit in range(10)]
 FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -44,12 +46,16 @@ def _find_idx(folder, stem):
     return None
 
 
-def build_mnist(data_dir, *, name="mnist", download=False):
-    """(train, test) InMemoryDatasets for `mnist` or `fashion_mnist` from the four IDX files.
+def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_options=None):
+    """(train, test) InMemoryDatasets for `mnist` or `fashion_mnist` from the four IDX files, or from a Hugging Face
+    dataset (`hf:NAME_OR_PATH`: its images decoded once to 28x28 grayscale, its classes its own).
 
     Looks in `data_dir`, `data_dir/raw` and the torchvision layout `data_dir/MNIST/raw` (or FashionMNIST),
     nowhere else: a mistyped --data_dir must not train on other files.
     """
+    if is_hf(data_dir):
+        train, test, _, _ = find_hf_splits(data_dir, val_fraction=None, seed=None, **(hf_options or {}))
+        return tuple(decode_split(split, size=(28, 28), channels=1, accelerator=accelerator) for split in (train, test))
     root = Path(data_dir)
     folder = TORCHVISION_FOLDERS[name]
     candidates = [root, root / "raw", root / folder / "raw"]

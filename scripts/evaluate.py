@@ -32,6 +32,7 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
+from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
 from common.images import build_eval_transform, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.models import load_best_model  # noqa: E402
@@ -60,19 +61,18 @@ def parse_args(argv=None):
     parser.add_argument("--skip_bad_images", action="store_true", help="leave unreadable images out instead of stopping")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="overrides the accelerate config (without one: bf16 where the device computes it)")
+    add_hf_args(parser, splits=False)
     return parser.parse_args(argv)
 
 
-def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
-    """The split, in the layout `kind`; items are dicts with image, label, index (`files`: each one's file or None)."""
+def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, options=None):
+    """The split, in the layout `kind`; items are dicts with image, label, index (`files`: each one's file or None).
+    `options`: the parsed flags that name a Hugging Face dataset's columns."""
     if kind != "digits" and data_dir is None:
         raise UserError(f"--data_dir is needed for a {kind} dataset")
     if kind == "folder":
-        named = (Path(data_dir) / split).is_dir()  # DIR/val/<class>/..., else DIR/<class>/...
-        files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
-        # checked once, shared out among the processes; the check is kept where a training run keeps its own
-        listed = {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
-                  "root": Path(data_dir)}
+        listed = (find_hf_split(data_dir, split, **hf_options(options)) if is_hf(data_dir)
+                  else list_folder_split(data_dir, split))
         dataset = build_folder_dataset(listed, transform=build_eval_transform(meta["eval_transform"]),
                                        skip_bad_images=skip_bad_images, accelerator=accelerator)
         if dataset.left_out and accelerator.is_main_process:
@@ -83,6 +83,15 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator):
         raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
     train, test = IN_MEMORY_DATASETS[kind](data_dir, seed=meta.get("args", {}).get("seed", 42))
     return train if split == "train" else test
+
+
+def list_folder_split(data_dir, split):
+    """DIR/<split>/<class>/<image> where DIR has that split, else DIR/<class>/<image>, as find_splits lists them."""
+    named = (Path(data_dir) / split).is_dir()
+    files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
+    # the check is kept where a training run keeps its own
+    return {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
+            "root": Path(data_dir), "source": str(Path(data_dir) / split if named else data_dir)}
 
 
 def in_model_classes(dataset, class_names, where):
@@ -121,7 +130,7 @@ def main(args):
                         f"evaluate.py existed): pass --dataset ({', '.join(DATASETS)})")
     output_dir = check_output_dir(args)
     dataset = build_dataset(kind, args.data_dir, args.split, meta=meta, skip_bad_images=args.skip_bad_images,
-                            accelerator=accelerator)
+                            accelerator=accelerator, options=args)
     dataset = in_model_classes(dataset, meta["class_names"], args.data_dir or kind)
     if isinstance(dataset, InMemoryDataset):
         if list(dataset.image_size) != list(meta["image_size"]):

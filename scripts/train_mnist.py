@@ -36,6 +36,7 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number  # noqa: E402
+from common.hf import add_hf_args, hf_options  # noqa: E402
 from common.mnist import build_digits, build_mnist  # noqa: E402
 from common.models import build_ema, build_model, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
@@ -52,6 +53,7 @@ def parse_args(argv=None):
                         help="choose best/ on this stratified share of the training set and score the test set once, "
                              "at the end, with best/ (default: 0, the standard protocol: best/ chosen on the test set)")
     add_common_args(parser)
+    add_hf_args(parser)
     parser.set_defaults(output_dir="outputs/mnist", epochs=2, batch_size=64, weight_decay=1e-4,
                         label_smoothing=0.05, schedule="onecycle")
     return parser.parse_args(argv)
@@ -70,7 +72,8 @@ def main(args):
     if args.dataset == "digits":
         train_set, test_set = build_digits(seed=args.seed)
     else:
-        train_set, test_set = build_mnist(args.data_dir, name=args.dataset, download=args.download)
+        train_set, test_set = build_mnist(args.data_dir, name=args.dataset, download=args.download,
+                                          accelerator=accelerator, hf_options=hf_options(args))
     # --val_fraction: best/ is chosen on a held-out share of the training set, the test set is scored at the end
     train_set, eval_set = (hold_out(train_set, fraction=args.val_fraction, seed=args.seed) if args.val_fraction
                            else (train_set, test_set))
@@ -104,7 +107,7 @@ def main(args):
                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints)
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_mnist", config=args_to_dict(args))
-    accelerator.print(f"{args.dataset}: {len(train_set)} train / {len(eval_set)} {'validation' if test_dataloader else 'test'} "
+    accelerator.print(f"{test_set.source or args.dataset}: {len(train_set)} train / {len(eval_set)} {'validation' if test_dataloader else 'test'} "
                       f"images{f' / {len(test_set)} test' if test_dataloader else ''}, {total_steps} optimizer steps, "
                       f"{lr_rule}; "
                       f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")

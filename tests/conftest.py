@@ -26,8 +26,11 @@ NEEDS_GB = 4  # the largest test's folder (checkpoints of ResNet-50) and the ses
 
 
 def pytest_sessionstart(session):
-    """A disk too full for the suite is one message before it starts, not checkpoint writes failing half an hour in."""
+    """A disk too full for the suite is one message before it starts, not checkpoint writes failing half an hour in.
+    Hugging Face datasets are the tests' own, offline, cached in the session's folder (not the user's cache)."""
     base = Path(session.config._tmp_path_factory.getbasetemp()).parent
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(session.config._tmp_path_factory.mktemp("hf-cache")),
+                      HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     free = shutil.disk_usage(base).free / 1e9
     if free < NEEDS_GB:
         pytest.exit(f"only {free:.1f} GB free in {base}, where the tests write their runs; they need about {NEEDS_GB} "

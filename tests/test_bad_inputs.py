@@ -244,7 +244,7 @@ def test_cifar_archive_that_is_not_a_tarball_says_how_to_fix_it_and_download_rep
 
 
 def test_hf_prefix_on_a_plain_folder_says_to_drop_it(tmp_path, cifar_jpegs):
-    with pytest.raises(UserError, match=r"not a dataset saved with datasets' save_to_disk.*without hf:"):
+    with pytest.raises(UserError, match=r"neither one written by save_to_disk nor one of data files.*without hf:"):
         build_cifar10(f"hf:{cifar_jpegs}")
 
 
