@@ -59,10 +59,11 @@ def load_hf(data_dir):
 
     spec = str(data_dir)[len(PREFIX):]
     kind, _, files = spec.partition(":")
+    saved = Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json"))
     try:
         if kind in FORMATS and files:
             loaded = datasets.load_dataset(kind, data_files=files)
-        elif Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json")):
+        elif saved:
             loaded = datasets.load_from_disk(spec)
         elif Path(spec).is_dir() and not _has_data_files(Path(spec)):
             raise UserError(f"{data_dir} is a folder, but neither one written by save_to_disk nor one of data files "
@@ -72,13 +73,14 @@ def load_hf(data_dir):
     except UserError:
         raise
     except Exception as error:  # datasets raises a dozen kinds: not found, offline, a format it cannot read
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise UserError(
-            f"cannot load {data_dir}: {' '.join(str(error).split()) or type(error).__name__}. It is read as "
-            + (f"{kind} files matching {files!r}" if kind in FORMATS and files else
-               f"a Hub dataset name{' (offline: HF_HUB_OFFLINE=1, from the local cache only)' if offline else ''}, "
-               "a folder written by save_to_disk, or a folder of data files")
-            + f"; data files of one format are hf:parquet:GLOB (also {', '.join(FORMATS[1:])})") from None
+        offline = " (offline: HF_HUB_OFFLINE=1, from the local cache only)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        read_as = (f"{kind} files matching {files!r}" if kind in FORMATS and files
+                   else f"the folder written by save_to_disk {spec}" if saved
+                   else f"the folder of data files {spec}" if Path(spec).exists()
+                   else f"a dataset name on the Hub{offline} (data files of one format are hf:parquet:GLOB, also "
+                        f"{', '.join(FORMATS[1:])})")
+        raise UserError(f"cannot load {data_dir}, read as {read_as}: "
+                        f"{' '.join(str(error).split()) or type(error).__name__}") from None
     return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
 
 
@@ -132,20 +134,27 @@ def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=
 def find_hf_split(data_dir, split, *, image_column=None, label_column=None):
     """One split of a Hugging Face dataset (scripts/evaluate.py), as `find_hf_splits` gives them; its classes are
     its own (a ClassLabel's names, else its sorted values)."""
-    splits = load_hf(data_dir)
-    name = _split_name(splits, split, (), "--split", data_dir)
-    dataset = splits[name]
-    image_column = _column(dataset, image_column, "Image", "--image_column", data_dir, name)
+    dataset, name, image_column = _one_split(data_dir, split, image_column)
     label_column = _column(dataset, label_column, "ClassLabel", "--label_column", data_dir, name)
     labels, classes, _ = _classes(dataset, label_column, data_dir, name)
     return _as_split(dataset, image_column, range(len(dataset)), labels, classes, data_dir=data_dir, split=name,
                      name=f"hf-{name}", source=f"{data_dir} split {name!r}")
 
 
+def hf_images(data_dir, split, *, image_column=None):
+    """The images of one split of a Hugging Face dataset, as HFImages (scripts/compute_mean_std.py)."""
+    dataset, name, image_column = _one_split(data_dir, split, image_column)
+    return HFImages(dataset, image_column, range(len(dataset)), name=f"{data_dir}[{name}]")
+
+
+def _one_split(data_dir, split, image_column):
+    splits = load_hf(data_dir)
+    name = _split_name(splits, split, (), "--split", data_dir)
+    return splits[name], name, _column(splits[name], image_column, "Image", "--image_column", data_dir, name)
+
+
 def _as_split(dataset, image_column, rows, labels, classes, *, data_dir, split, name, source):
     """The dict `find_splits` gives for a folder, of `rows` of a dataset."""
-    if not len(rows):
-        raise UserError(f"{data_dir}: its split {split!r} has no rows: nothing to train or evaluate on")
     images = HFImages(dataset, image_column, rows, name=f"{data_dir}[{split}]")
     return {"files": images, "labels": list(labels), "classes": classes, "name": name, "root": images.folder,
             "source": source}
@@ -169,6 +178,11 @@ def _column(dataset, given, kind, flag, data_dir, split):
     if given is not None:
         if given not in features:
             raise UserError(f"{data_dir} split {split!r} has no column {given!r} ({flag}); its columns: {described}")
+        feature = features[given]
+        if kind == "Image" and not (isinstance(feature, datasets.Image) or isinstance(feature, datasets.Value)
+                                    and feature.dtype in ("string", "large_string", "binary", "large_binary")):
+            raise UserError(f"{data_dir} split {split!r} column {given!r} ({flag}) holds {feature}, not images (an "
+                            f"Image feature, encoded bytes or file paths); its columns: {described}")
         return given
     found = [name for name, feature in features.items() if isinstance(feature, getattr(datasets, kind))]
     if len(found) != 1:
@@ -213,7 +227,8 @@ def _values(dataset, column, data_dir, split):
     values = (dataset.data if dataset._indices is None else dataset.flatten_indices().data).column(column).to_pylist()
     for row, value in enumerate(values):
         if value is None or isinstance(value, bool) or not isinstance(value, (int, str)):
-            what = "is empty" if value is None else f"is {value!r} ({type(value).__name__})"
+            shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+            what = "is empty" if value is None else f"is {shown} ({type(value).__name__})"
             raise UserError(f"{data_dir} split {split!r} column {column!r} row {row} {what}: labels must be class "
                             "names (strings) or integers. Name the label column with --label_column")
         if isinstance(value, int) and value < 0:  # ClassLabel's "no label"

@@ -1,6 +1,7 @@
 """Exact per-channel mean and std of every pixel of a folder of images, for --mean_std.
 
     python scripts/compute_mean_std.py data/seedlings-split/train --output mean_std.json
+    python scripts/compute_mean_std.py hf:NAME_OR_PATH --split train --output mean_std.json
 
 Streams the images (one at a time, converted to RGB, at their stored size) and sums pixel values and
 their squares per channel in float64: the mean and standard deviation over all pixels of all images,
@@ -16,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser  # noqa: E402
+from common.hf import hf_images, is_hf  # noqa: E402
 from common.images import read_image  # noqa: E402
 from common.outputs import write_atomically  # noqa: E402
 from common.tools import check_output_file, find_images  # noqa: E402
@@ -23,7 +25,9 @@ from common.tools import check_output_file, find_images  # noqa: E402
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("folder", help="images, searched recursively")
+    parser.add_argument("folder", help="images, searched recursively, or hf:NAME_OR_PATH (a Hugging Face dataset)")
+    parser.add_argument("--split", default="train", help="hf: the split (default: %(default)s)")
+    parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
     parser.add_argument("--output", default="mean_std.json",
                         help="JSON to write; an existing one is replaced only if this script wrote it (default: %(default)s)")
     return parser.parse_args(argv)
@@ -52,13 +56,13 @@ def is_mean_std_json(path):
 
 
 def main(args):
-    folder = Path(args.folder)
-    paths = find_images([args.folder])
+    paths = (hf_images(args.folder, args.split, image_column=args.image_column) if is_hf(args.folder)
+             else find_images([args.folder]))
     check_output_file(args.output, suffix=".json", what="a JSON written by compute_mean_std.py",
                       is_ours=is_mean_std_json)
     mean, std, pixels = mean_std(paths)
     stats = {"mean": mean.round(6).tolist(), "std": std.round(6).tolist(), "images": len(paths), "pixels": pixels,
-             "folder": str(folder)}
+             "folder": str(args.folder) if is_hf(args.folder) else str(Path(args.folder))}
     write_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
     print(f"{len(paths)} images, {pixels:,} pixels: mean {stats['mean']}, std {stats['std']} -> {args.output}")
 

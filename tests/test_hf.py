@@ -1,0 +1,230 @@
+"""Hugging Face datasets in (`--data_dir hf:...`): built here, offline, from the real images of the folder tests,
+as `save_to_disk` folders and parquet files; trained on as their folders are, with the same outcome."""
+
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.errors import UserError
+from common.folders import find_splits
+from common.images import list_image_folder
+from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, run_command)
+
+SCRIPTS = REPO / "scripts"
+
+
+def hf_dataset(splits, *, image="img", label="species", classes=None, label_names=None):
+    """A datasets.DatasetDict of {split: (files, labels)}: the files' bytes in an Image column, the labels in a
+    ClassLabel column of `classes` (or, with `label_names`, strings: label_names[label])."""
+    import datasets
+
+    features = datasets.Features({image: datasets.Image(), label: datasets.Value("string") if label_names else
+                                  datasets.ClassLabel(names=classes)})
+    return datasets.DatasetDict({name: datasets.Dataset.from_dict(
+        {image: [{"bytes": Path(f).read_bytes(), "path": Path(f).name} for f in files],
+         label: [label_names[i] for i in labels] if label_names else list(labels)}, features=features)
+        for name, (files, labels) in splits.items()})
+
+
+def folder_splits(root, names):
+    """{name: (files, labels)} of root/<name>/<class>/<image> and the classes."""
+    listed = {name: list_image_folder(root / folder) for name, folder in names.items()}
+    classes = next(iter(listed.values()))[2]
+    return {name: (files, labels) for name, (files, labels, _, _) in listed.items()}, classes
+
+
+@pytest.mark.slow
+def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders_and_evaluate(tmp_path, seedlings):
+    """The same images in the same order: the same batches, weights, accuracy, each validation image once."""
+    split = tmp_path / "split"
+    assert run_command([sys.executable, SCRIPTS / "split_dataset.py", seedlings, split]).returncode == 0
+    splits, classes = folder_splits(split, {"train": "train", "validation": "val"})
+    hf_dataset(splits, classes=classes).save_to_disk(tmp_path / "hf")
+    common = ["--model", "resnet18", "--image_size", 32, "--epochs", 2, "--batch_size", 4]
+    folder = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", tmp_path / "folder", *common)
+    assert folder.returncode == 0, folder.output
+    hf = launch(SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--output_dir",
+                tmp_path / "run", *common)
+    assert hf.returncode == 0, hf.output
+    assert (f"hf:{tmp_path / 'hf'}: split 'train' trains; 'validation' validates (the first of validation, valid, "
+            "val, test it has; --val_split chooses another); images from column 'img', labels from 'species': 12 "
+            "classes, 59 train / 26 val images") in hf.output
+    assert "2 process(es)" in hf.output and "decode cache on" in hf.output
+    assert_same_outcome(tmp_path / "run", tmp_path / "folder", checkpoint="checkpoints/epoch_002_end", rel=1e-6)
+    metrics, report = read_run(tmp_path / "run")
+    assert [report[name]["support"] for name in classes] == np.bincount(splits["validation"][1]).tolist()
+    assert all(record["val_samples"] == 26 for record in metrics)
+    assert json.loads((tmp_path / "run" / "best" / "meta.json").read_text())["class_names"] == classes
+    # the report names each validation row once, with the file name the dataset kept, and shows its images
+    losses = list(csv.DictReader(open(tmp_path / "run" / "losses.csv")))
+    rows = sorted(int(re.fullmatch(rf"hf:{re.escape(str(tmp_path / 'hf'))}\[validation\]\[(\d+)\] \(.+\.png\)",
+                                   row["file"])[1]) for row in losses)
+    assert rows == list(range(26))
+    assert_report_shows(tmp_path / "run" / "report.html", classes=12, top_losses=24,
+                        label_issues=min(24, len(list(csv.DictReader(open(tmp_path / "run" / "label_issues.csv"))))))
+
+    # evaluate.py on the validation split, on 2 processes: best/'s own validation accuracy, every image once
+    evaluated = launch(SCRIPTS / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir", f"hf:{tmp_path / 'hf'}",
+                       "--split", "validation", "--output_dir", tmp_path / "eval")
+    assert evaluated.returncode == 0, evaluated.output
+    scores = json.loads((tmp_path / "eval" / "classification_report.json").read_text())
+    assert scores["macro avg"]["support"] == 26
+    assert scores["accuracy"] == pytest.approx(max(record["val_accuracy"] for record in metrics), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fashion_mnist_as_parquet_files_through_train_mnist_as_its_idx_files(tmp_path, fashion_subset):
+    """Parquet files named as on the Hub (data/train-00000-of-00001.parquet): splits found by their names, the
+    28x28 grayscale PNGs decoded back to the IDX files' very pixels."""
+    from PIL import Image
+
+    from common.mnist import FASHION_MNIST_CLASSES, build_mnist
+
+    train, test = build_mnist(fashion_subset, name="fashion_mnist")
+    (tmp_path / "pngs").mkdir()
+    splits = {}
+    for name, dataset in (("train", train), ("test", test)):
+        files = []
+        for i, image in enumerate(dataset.images[:, 0].numpy()):
+            files.append(tmp_path / "pngs" / f"{name}{i:05d}.png")
+            Image.fromarray(image).save(files[-1])
+        splits[name] = (files, dataset.labels.tolist())
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for name, dataset in hf_dataset(splits, image="image", label="label", classes=FASHION_MNIST_CLASSES).items():
+        dataset.to_parquet(tmp_path / "hub" / "data" / f"{name}-00000-of-00001.parquet")
+    common = ["--dataset", "fashion_mnist", "--epochs", 1, "--batch_size", 64]
+    idx = launch(SCRIPTS / "train_mnist.py", "--data_dir", fashion_subset, "--output_dir", tmp_path / "idx", *common)
+    assert idx.returncode == 0, idx.output
+    hf = launch(SCRIPTS / "train_mnist.py", "--data_dir", f"hf:{tmp_path / 'hub'}", "--output_dir", tmp_path / "run",
+                *common)
+    assert hf.returncode == 0, hf.output
+    assert (f"hf:{tmp_path / 'hub'}: split 'train' trains; 'test' validates (the first of validation, valid, val, test "
+            "it has; --val_split chooses another); images from column 'image', labels from 'label': 2001 train / "
+            "1001 test images") in hf.output
+    assert "checked 2001 images on 2 process(es) (1001 + 1000)" in hf.output  # decoded by both, each its share
+    assert_same_outcome(tmp_path / "run", tmp_path / "idx", checkpoint="checkpoints/epoch_001_end", rel=1e-6)
+
+
+@pytest.mark.slow
+def test_one_split_of_parquet_with_string_labels_and_named_columns_is_split_as_a_folder(tmp_path, seedlings):
+    """hf:parquet:GLOB, a training split alone, labels as strings in a column the flags name, next to a second
+    Image column: split here as the folder would be (--val_fraction, stratified, seeded), classes sorted."""
+    import datasets
+
+    files, labels, classes, _ = list_image_folder(seedlings)
+    names = [name.upper() for name in classes]  # other strings, in the same sorted order
+    dataset = hf_dataset({"train": (files, labels)}, image="photo", label="plant", label_names=names)["train"]
+    dataset = dataset.add_column("mask", [{"bytes": Path(files[0]).read_bytes(), "path": None}] * len(files),
+                                 feature=datasets.Image())
+    (tmp_path / "parquet").mkdir()
+    dataset.shard(2, 0, contiguous=True).to_parquet(tmp_path / "parquet" / "part-0.parquet")
+    dataset.shard(2, 1, contiguous=True).to_parquet(tmp_path / "parquet" / "part-1.parquet")
+    data_dir = f"hf:parquet:{tmp_path / 'parquet' / '*.parquet'}"
+    command = [SCRIPTS / "train_seedlings.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--model",
+               "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 4, "--no-find_label_issues"]
+    refused = run_command([sys.executable, *command])
+    assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
+    assert (f"error: {data_dir} split 'train' has more than one Image column (photo (Image), plant (Value), mask "
+            "(Image)): name the images with --image_column") in refused.output
+    result = launch(*command, "--image_column", "photo", "--label_column", "plant", processes=1)
+    assert result.returncode == 0, result.output
+    assert (f"{data_dir}: split 'train' trains; no validation / valid / val / test split: 26 of its images validate "
+            "(--val_fraction 0.3, stratified, --seed); images from column 'photo', labels from 'plant' (12 classes: "
+            "its values, sorted): 12 classes, 59 train / 26 val images") in result.output
+    assert json.loads((tmp_path / "run" / "best" / "meta.json").read_text())["class_names"] == names
+    folder_train, folder_val, _, _ = find_splits(seedlings, val_fraction=0.3, seed=42)
+    hf_train, hf_val, _, _ = find_splits(data_dir, val_fraction=0.3, seed=42,
+                                         hf_options={"image_column": "photo", "label_column": "plant"})
+    assert hf_val["labels"] == folder_val["labels"] and hf_train["labels"] == folder_train["labels"]
+    assert [str(image).rsplit(" (", 1)[1][:-1] for image in hf_val["files"]] == [f.name for f in folder_val["files"]]
+
+
+# ---- mistakes: one message naming the thing and the fix ----
+
+def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_path, seedlings):
+    import datasets
+
+    files, labels, classes, _ = list_image_folder(seedlings)
+    saved = tmp_path / "saved"
+    hf_dataset({"train": (files, labels), "test": (files[:10], labels[:10])}, classes=classes).save_to_disk(saved)
+
+    def refused(data_dir, match, **options):
+        with pytest.raises(UserError, match=match):
+            find_splits(data_dir, val_fraction=0.3, seed=42, hf_options=options)
+
+    refused(f"hf:{saved}", r"has no split 'training'; its splits: 'train', 'test'\. Choose one with --train_split",
+            train_split="training")
+    refused(f"hf:{saved}", r"has no split 'dev'; its splits: 'train', 'test'\. Choose one with --val_split",
+            val_split="dev")
+    refused(f"hf:{saved}", r"split 'train' has no column 'image' \(--image_column\); its columns: img \(Image\), "
+                           r"species \(ClassLabel\)", image_column="image")
+    refused(f"hf:{saved}", r"--image_column and --label_column are both 'img'", label_column="img")
+    refused(f"hf:{saved}", r"split 'train' column 'species' \(--image_column\) holds ClassLabel\(.*\), not images "
+                           r"\(an Image feature, encoded bytes or file paths\)", image_column="species", label_column="img")
+    refused("hf:nobody/no-such-dataset", r"cannot load hf:nobody/no-such-dataset, read as a dataset name on the Hub "
+                                         r"\(offline: HF_HUB_OFFLINE=1, from the local cache only\) \(data files of "
+                                         r"one format are hf:parquet:GLOB, .*\): \S")
+    refused(f"hf:parquet:{tmp_path / 'none' / '*.parquet'}", r"cannot load hf:parquet:.*, read as parquet files "
+                                                              r"matching '.*none/\*\.parquet': \S")
+    refused(seedlings, r"--label_column choose\(s\) a Hugging Face dataset's splits and columns, and --data_dir .* is "
+                       r"a folder", label_column="species")
+
+    def saved_with(name, columns, features):
+        path = tmp_path / name
+        datasets.Dataset.from_dict(columns, features=datasets.Features(features)).save_to_disk(path)
+        return f"hf:{path}"
+
+    image = {"bytes": Path(files[0]).read_bytes(), "path": None}
+    floats = saved_with("floats", {"img": [image] * 4, "score": [0.5, 1.5, 0.5, 1.5]},
+                        {"img": datasets.Image(), "score": datasets.Value("float32")})
+    refused(floats, r"split 'train' has no ClassLabel column \(img \(Image\), score \(Value\)\): name the labels "
+                    r"with --label_column")
+    refused(floats, r"column 'score' row 0 is 0\.5 \(float\): labels must be class names \(strings\) or integers",
+            label_column="score")
+    missing = saved_with("missing", {"img": [image] * 4, "name": ["a", None, "b", "a"]},
+                         {"img": datasets.Image(), "name": datasets.Value("string")})
+    refused(missing, r"column 'name' row 1 is empty", label_column="name")
+    one = saved_with("one", {"img": [image] * 4, "name": ["a"] * 4},
+                     {"img": datasets.Image(), "name": datasets.Value("string")})
+    refused(one, r"column 'name' has one class: a classifier needs at least 2 classes", label_column="name")
+    (tmp_path / "empty" / "data").mkdir(parents=True)  # save_to_disk writes an empty split that it cannot read
+    for name, split in hf_dataset({"train": (files, labels), "validation": ([], [])}, classes=classes).items():
+        split.to_parquet(tmp_path / "empty" / "data" / f"{name}-00000-of-00001.parquet")
+    refused(f"hf:{tmp_path / 'empty'}", r"cannot load hf:.*empty, read as the folder of data files .*empty: "
+                                        r"Instruction \"validation\" corresponds to no data")
+    hf_dataset({"train": (files[:8], [0, 1] * 4), "validation": (files[:2], [0, 2])}, label="name",
+               label_names=["a", "b", "c"]).save_to_disk(tmp_path / "unseen")
+    refused(f"hf:{tmp_path / 'unseen'}", r"split 'validation' row 1 has label 'c', which the training split does not "
+                                         r"have \(its classes: a, b\)", label_column="name")
+
+    from common.cifar import build_cifar10
+
+    only_train = tmp_path / "only_train"
+    hf_dataset({"train": (files, labels)}, classes=classes).save_to_disk(only_train)
+    with pytest.raises(UserError, match=r"has no held-out split \(validation, valid, val, test\); its splits: "
+                                        r"'train'\. Name the one to score with --val_split"):
+        build_cifar10(f"hf:{only_train}")
+
+
+def test_a_corrupt_image_in_a_hf_dataset_is_named_by_its_row_and_file(tmp_path, seedlings):
+    """The bad-image rules of files: stopped with its name, or left out with --skip_bad_images."""
+    from common.folders import build_folder_dataset
+
+    files, labels, classes, _ = list_image_folder(seedlings)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(Path(files[5]).read_bytes()[:300])
+    files = [*files[:5], broken, *files[6:]]
+    hf_dataset({"train": (files, labels)}, classes=classes).save_to_disk(tmp_path / "hf")
+    train, val, _, _ = find_splits(f"hf:{tmp_path / 'hf'}", val_fraction=0.3, seed=42)
+    split = train if any("broken.png" in str(image) for image in train["files"]) else val
+    with pytest.raises(UserError, match=rf"cannot read image hf:{re.escape(str(tmp_path / 'hf'))}\[train\]\[5\] "
+                                        r"\(broken\.png\): .*--skip_bad_images"):
+        build_folder_dataset(split, transform=torch.nn.Identity(), skip_bad_images=False)
+    kept = build_folder_dataset(split, transform=torch.nn.Identity(), skip_bad_images=True)
+    assert len(kept) == len(split["files"]) - 1 and "broken.png" in str(kept.left_out[0])
