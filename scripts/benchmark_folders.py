@@ -14,6 +14,9 @@ batches as train_seedlings.py --cache_images reads it, with the crop, flips and 
 the CPU, the same core); the cache's share of the CPU alone (the batches gathered, what the CPU does when the
 device is a GPU); and the seed post's pipeline (PIL, torchvision transforms, ToTensor, Normalize, no
 workers), each divided by the cores it keeps busy. One table row per size and process count.
+
+With --hf, the same images again as a Hugging Face dataset (`save_to_disk` of their JPEG bytes, kept in
+--work_dir), read through `--data_dir hf:DIR`: the same rows, measured the same way, for the two sources.
 """
 
 import argparse
@@ -43,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--image_px", type=positive_int, default=64, help="generated image side (default: %(default)s)")
     parser.add_argument("--image_size", type=positive_int, default=48, help="training crop (default: %(default)s)")
     parser.add_argument("--batches", type=positive_int, default=20, help="batches timed per data path")
+    parser.add_argument("--hf", action="store_true", help="also the same images as a Hugging Face dataset")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # one process's measurement (internal)
     parser.add_argument("--probe_cache", action="store_true", help=argparse.SUPPRESS)  # ... with --cache_images
     return parser.parse_args(argv)
@@ -72,6 +76,22 @@ def generate(folder, count, px):
         pixels = (colour * base + rng.uniform(0, 40, size=(px, px, 3))).clip(0, 255).astype(np.uint8)
         Image.fromarray(pixels).save(folder / f"class_{i % CLASSES}" / f"{i:06d}.jpg", quality=90)
     (folder / ".complete").touch()
+
+
+def generate_hf(folder, target):
+    """The JPEGs of `folder` as a save_to_disk dataset (their bytes, a ClassLabel), unless `target` holds it."""
+    if (target / ".complete").exists():
+        return
+    import datasets
+
+    from common.images import list_image_folder
+
+    files, labels, classes, _ = list_image_folder(folder)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+    datasets.Dataset.from_generator(
+        lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
+                 for file, label in zip(files, labels)), features=features).save_to_disk(target)
+    (target / ".complete").touch()
 
 
 def memory_mb():
@@ -125,7 +145,7 @@ def launch_probes(folder, processes, cache, args):
     return found
 
 
-def data_path_rates(folder, args):
+def data_path_rates(data_dir, args):
     """images/s per busy core: files + PIL in a worker, cache + device augmentation, the cache's CPU share alone,
     the seed's pipeline."""
     from torchvision import transforms
@@ -133,9 +153,10 @@ def data_path_rates(folder, args):
     from common.data import preprocess
     from common.folders import (ImageFileDataset, build_file_dataloader, build_folder_dataset, build_train_transform,
                                 find_splits, random_resized_crop, training_cache)
+    from common.images import read_image
     from common.models import resize_size
 
-    train_split, _, classes, _ = find_splits(folder, val_fraction=0.3, seed=42)
+    train_split, _, classes, _ = find_splits(data_dir, val_fraction=0.3, seed=42)
     files, labels = train_split["files"], train_split["labels"]
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
     torch.set_num_threads(1)  # this process is one core of the count below (each DataLoader worker is another)
@@ -162,8 +183,7 @@ def data_path_rates(folder, args):
             return len(files)
 
         def __getitem__(self, index):
-            with Image.open(files[index]) as image:
-                return seed_transform(image.convert("RGB")), labels[index]
+            return seed_transform(read_image(files[index])), labels[index]
 
     return {
         "files_pil_worker": rate(build_file_dataloader(files_set, batch_size=64, shuffle=True, num_workers=1),
@@ -188,29 +208,39 @@ def main(args):
         start = time.perf_counter()
         generate(folder, size, args.image_px)
         print(f"{size} images in {folder} ({time.perf_counter() - start:.0f} s to generate)", flush=True)
-        for processes in (1, 2):
-            row = {"images": size, "processes": processes}
-            for cache in (False, True):
-                for stale in folder.glob(".checked-*"):
-                    stale.unlink()
-                cold, warm = launch_probes(folder, processes, cache, args), launch_probes(folder, processes, cache, args)
-                path = "cache" if cache else "files"
-                row |= {f"{path}_cold_startup_s": max(p["startup_s"] for p in cold),
-                        f"{path}_warm_startup_s": max(p["startup_s"] for p in warm),
-                        f"{path}_cold_cpu_s_per_process": [round(p["cpu_s"], 1) for p in cold]}
-            row |= {"rss_mb_per_process": [round(p["rss_mb"]) for p in warm],  # the cached path's, warm
-                    "pss_mb_per_process": [round(p["pss_mb"]) for p in warm]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        rates = data_path_rates(folder, args)
-        rows.append({"images": size, "images_per_s_per_core": {k: round(v) for k, v in rates.items()}})
-        print(json.dumps(rows[-1]), flush=True)
-    print("\n| images | processes | start-up cold / warm (s): files | --cache_images | CPU s per process, cold: "
+        sources = {"folder": (folder, folder)}
+        if args.hf:
+            start = time.perf_counter()
+            generate_hf(folder, folder.with_name(f"hf_{size}"))
+            print(f"... as a Hugging Face dataset in {folder.with_name(f'hf_{size}')} "
+                  f"({time.perf_counter() - start:.0f} s to write)", flush=True)
+            sources["hf"] = (f"hf:{folder.with_name(f'hf_{size}')}", folder.with_name(f"hf_{size}"))
+        for source, (data_dir, records) in sources.items():
+            for processes in (1, 2):
+                row = {"images": size, "source": source, "processes": processes}
+                for cache in (False, True):
+                    for stale in records.glob(".checked-*"):
+                        stale.unlink()
+                    cold = launch_probes(data_dir, processes, cache, args)
+                    warm = launch_probes(data_dir, processes, cache, args)
+                    path = "cache" if cache else "files"
+                    row |= {f"{path}_cold_startup_s": max(p["startup_s"] for p in cold),
+                            f"{path}_warm_startup_s": max(p["startup_s"] for p in warm),
+                            f"{path}_cold_cpu_s_per_process": [round(p["cpu_s"], 1) for p in cold]}
+                row |= {"rss_mb_per_process": [round(p["rss_mb"]) for p in warm],  # the cached path's, warm
+                        "pss_mb_per_process": [round(p["pss_mb"]) for p in warm]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            rates = data_path_rates(data_dir, args)
+            rows.append({"images": size, "source": source,
+                         "images_per_s_per_core": {k: round(v) for k, v in rates.items()}})
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| images | source | processes | start-up cold / warm (s): files | --cache_images | CPU s per process, cold: "
           "files | --cache_images | RSS per process (MB) | PSS per process (MB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "processes" in row:
-            cells = [f"{row['images']:,}", row["processes"]]
+            cells = [f"{row['images']:,}", row["source"], row["processes"]]
             cells += [f"{row[f'{path}_cold_startup_s']:.1f} / {row[f'{path}_warm_startup_s']:.1f}" for path in ("files", "cache")]
             cells += [" / ".join(map(str, row[key])) for key in ("files_cold_cpu_s_per_process",
                       "cache_cold_cpu_s_per_process", "rss_mb_per_process", "pss_mb_per_process")]
