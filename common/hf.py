@@ -57,6 +57,8 @@ def load_hf(data_dir):
     the Hub (or the offline cache) knows."""
     import datasets  # imported here: only this source needs it (2 s)
 
+    if os.environ.get("RANK", "0") != "0":  # one process shows the download and conversion
+        datasets.disable_progress_bars()
     spec = str(data_dir)[len(PREFIX):]
     kind, _, files = spec.partition(":")
     saved = Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json"))
@@ -73,7 +75,8 @@ def load_hf(data_dir):
     except UserError:
         raise
     except Exception as error:  # datasets raises a dozen kinds: not found, offline, a format it cannot read
-        offline = " (offline: HF_HUB_OFFLINE=1, from the local cache only)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        offline = (" (offline: HF_HUB_OFFLINE=1, from the local cache only)"
+                   if os.environ.get("HF_HUB_OFFLINE") == "1" else "")
         read_as = (f"{kind} files matching {files!r}" if kind in FORMATS and files
                    else f"the folder written by save_to_disk {spec}" if saved
                    else f"the folder of data files {spec}" if Path(spec).exists()
@@ -300,9 +303,3 @@ class HFImage:
         return f"{self.images.name}[{self.images.rows[self.index]}]" + (f" ({path})" if path else "")
 
     __repr__ = __str__
-
-    def __eq__(self, other):
-        return isinstance(other, HFImage) and (self.images, self.index) == (other.images, other.index)
-
-    def __hash__(self):
-        return hash((id(self.images), self.index))

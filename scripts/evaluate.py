@@ -2,10 +2,12 @@
 
 The model: a best/ folder, a run's output folder (its best/), or a checkpoint. The data: any layout the
 training scripts read, the one the model was trained on unless --dataset says otherwise:
-  cifar10        CIFAR-10 python batches, their .tar.gz, a train/ + test/ (or val/) folder tree, or hf:NAME
+  cifar10        CIFAR-10 python batches, their .tar.gz, a train/ + test/ (or val/) folder tree
   mnist, fashion_mnist   IDX files;  digits   scikit-learn's digits (no --data_dir)
   folder         DIR/<class>/<image>, or DIR/<split>/<class>/<image>
---split (default test) picks the split of the first three; for folder, DIR/<split> when DIR has one.
+  any of them    hf:NAME_OR_PATH, a Hugging Face dataset (--image_column, --label_column if not found by type)
+--split (default test) picks the split of the first three; for folder, DIR/<split> when DIR has one; for a
+Hugging Face dataset, the split of that name.
 Classes are matched by name: the dataset may hold fewer classes than the model, never others.
 Preprocessing is the training run's evaluation (meta.json's eval_transform, mean, std).
 
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common import cifar, mnist  # noqa: E402
 from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
+from common.decode_cache import decode_split  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
@@ -70,6 +73,9 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
     `options`: the parsed flags that name a Hugging Face dataset's columns."""
     if kind != "digits" and data_dir is None:
         raise UserError(f"--data_dir is needed for a {kind} dataset")
+    if is_hf(data_dir) and kind != "folder":  # any split by name, decoded as the model's training set was
+        return decode_split(find_hf_split(data_dir, split, **hf_options(options)), size=meta["image_size"],
+                            channels=meta["model_kwargs"]["in_chans"], accelerator=accelerator)
     if kind == "folder":
         listed = (find_hf_split(data_dir, split, **hf_options(options)) if is_hf(data_dir)
                   else list_folder_split(data_dir, split))

@@ -109,6 +109,13 @@ def test_fashion_mnist_as_parquet_files_through_train_mnist_as_its_idx_files(tmp
             "1001 test images") in hf.output
     assert "checked 2001 images on 2 process(es) (1001 + 1000)" in hf.output  # decoded by both, each its share
     assert_same_outcome(tmp_path / "run", tmp_path / "idx", checkpoint="checkpoints/epoch_001_end", rel=1e-6)
+    # evaluate.py decodes the split it is named as training decoded it: best/'s own accuracy
+    evaluated = run_command([sys.executable, SCRIPTS / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir",
+                             f"hf:{tmp_path / 'hub'}", "--split", "test", "--output_dir", tmp_path / "eval"])
+    assert evaluated.returncode == 0, evaluated.output
+    scores = json.loads((tmp_path / "eval" / "classification_report.json").read_text())
+    assert scores["macro avg"]["support"] == 1001
+    assert scores["accuracy"] == pytest.approx(read_run(tmp_path / "run")[0][-1]["val_accuracy"], abs=1e-6)
 
 
 @pytest.mark.slow
@@ -190,6 +197,9 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
     missing = saved_with("missing", {"img": [image] * 4, "name": ["a", None, "b", "a"]},
                          {"img": datasets.Image(), "name": datasets.Value("string")})
     refused(missing, r"column 'name' row 1 is empty", label_column="name")
+    unlabelled = saved_with("unlabelled", {"img": [image] * 4, "lab": [0, -1, 1, 0]},
+                            {"img": datasets.Image(), "lab": datasets.ClassLabel(names=["a", "b"])})
+    refused(unlabelled, r"column 'lab' row 1 has no label \(-1\): remove the unlabelled rows")
     one = saved_with("one", {"img": [image] * 4, "name": ["a"] * 4},
                      {"img": datasets.Image(), "name": datasets.Value("string")})
     refused(one, r"column 'name' has one class: a classifier needs at least 2 classes", label_column="name")
