@@ -278,9 +278,9 @@ class HFImages:
 
     def path(self, index):
         """The file name item `index` came from, as the dataset keeps it ('' where it keeps none)."""
-        if self._paths is None:  # read once, from the Arrow column alone
+        if self._paths is None:  # read once, from the Arrow column's path field alone (its bytes stay on disk)
             column = self.dataset.data.column(self.column)
-            self._paths = column.combine_chunks().field("path").to_pylist() if column.type.num_fields else []
+            self._paths = [path for chunk in column.chunks for path in chunk.field("path").to_pylist()]
         return (self._paths[self.rows[index]] or "") if self._paths else ""
 
     def fingerprint(self):

@@ -1,0 +1,93 @@
+"""A Hugging Face dataset against the folder it was made from: train_seedlings.py's images/s, start-up and accuracy.
+
+    python scripts/benchmark_hf.py --data_dir data/plant-seedlings --work_dir /tmp/hf-bench -- \\
+        --model resnet18 --image_size 64 --epochs 2 --batch_size 64
+
+Writes the folder's images, their encoded bytes unchanged, as a `save_to_disk` dataset (an Image and a ClassLabel
+column, kept in --work_dir), then trains on each source in turn, --repeats times, alternating: `--data_dir
+FOLDER` and `--data_dir hf:DATASET` with the flags after `--`, the same seed. Each run gives its images/s
+(metrics.jsonl, all epochs), its start-up (from the launch to the first epoch's first batch: the first log line)
+and its final accuracy. The same images in the same order make the same batches: accuracy must match; the
+time is what the source costs. Once with the decode cache (the default for sets up to 4 GB) and once with
+--no-cache_images (DataLoader workers decode every image, each epoch: the path where the sources differ).
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # find common/ from any working directory
+from common.errors import run_main  # noqa: E402
+from common.flags import ArgumentParser, positive_int  # noqa: E402
+from common.images import list_image_folder  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data_dir", default="data/plant-seedlings", help="a folder of class folders")
+    parser.add_argument("--work_dir", default="/tmp/hf-bench", help="the dataset and the runs go here")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs per source and path (default: 2)")
+    args, training = parser.parse_known_args(argv)
+    args.training = [flag for flag in training if flag != "--"]
+    return args
+
+
+def write_dataset(folder, target):
+    """The images of `folder` as a save_to_disk dataset, their bytes as they are, unless `target` holds it."""
+    if (target / "state.json").exists():
+        return
+    import datasets
+
+    files, labels, classes, _ = list_image_folder(folder)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+    datasets.Dataset.from_dict({"image": [{"bytes": file.read_bytes(), "path": file.name} for file in files],
+                                "label": labels}, features=features).save_to_disk(target)
+
+
+def train(data_dir, output_dir, flags):
+    """(images/s over the epochs, start-up s, final val accuracy) of one train_seedlings.py run."""
+    command = [sys.executable, str(REPO / "scripts" / "train_seedlings.py"), "--data_dir", str(data_dir),
+               "--output_dir", str(output_dir), "--overwrite", "--no-find_label_issues", *flags]
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    startup = None
+    for line in process.stdout:
+        if startup is None and " optimizer steps, " in line:  # the first log line: data, model, all ready
+            startup = time.perf_counter() - start
+    if process.wait() != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: see {output_dir}")
+    metrics = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    images = sum(record["train_samples"] for record in metrics)
+    return images / sum(record["train_time_s"] for record in metrics), startup, metrics[-1]["val_accuracy"]
+
+
+def main(args):
+    work = Path(args.work_dir)
+    hf_dir = work / "dataset"
+    write_dataset(Path(args.data_dir), hf_dir)
+    sources = {"folder": Path(args.data_dir).resolve(), "hf": f"hf:{hf_dir.resolve()}"}
+    results = {}
+    for path, flags in (("decode cache", []), ("files, workers", ["--no-cache_images"])):
+        for repeat in range(args.repeats):
+            for source, data_dir in sources.items():
+                run = train(data_dir, work / f"run-{source}", [*args.training, *flags])
+                results.setdefault((path, source), []).append(run)
+                print(json.dumps({"path": path, "source": source, "repeat": repeat, "images_per_s": round(run[0], 1),
+                                  "startup_s": round(run[1], 1), "val_accuracy": run[2]}), flush=True)
+    print("\n| data path | source | images/s (mean of runs) | hf / folder | start-up s | val accuracy |")
+    print("|---|---|---|---|---|---|")
+    for (path, source), runs in results.items():
+        rate = statistics.mean(run[0] for run in runs)
+        folder = statistics.mean(run[0] for run in results[(path, "folder")])
+        print(f"| {path} | {source} | {rate:.1f} ({', '.join(f'{run[0]:.1f}' for run in runs)}) | "
+              f"{rate / folder:.3f} | {statistics.mean(run[1] for run in runs):.1f} | "
+              f"{', '.join(f'{run[2]:.2%}' for run in runs)} |")
+    return results
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())
