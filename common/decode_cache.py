@@ -59,13 +59,17 @@ def decode_split(split, *, size, channels=3, accelerator=None):
     """A split as `find_splits` gives it (image files, or a Hugging Face dataset's images) as an InMemoryDataset of
     RGB (`channels` 3) or grayscale images resized to `size`, decoded once into the decode cache, shared out among
     the processes. An unreadable image stops it, named."""
-    record = split["root"] / f".checked-{split['name']}.json" if split["root"] else None
-    _, bad, images = check_images(split["files"], skip_bad_images=True, accelerator=accelerator, record=record,
-                                  cache={"resize": list(size), "channels": channels})
+    _, bad, images = check_images(split["files"], skip_bad_images=True, accelerator=accelerator,
+                                  record=split_record(split), cache={"resize": list(size), "channels": channels})
     if bad:
         raise UserError(f"cannot read image {bad[0][0]}: {bad[0][1]}. Remove it, or replace it with a readable copy")
     return InMemoryDataset(images, torch.tensor(split["labels"]), split["classes"], files=split["files"],
                            source=split.get("source"))
+
+
+def split_record(split):
+    """Where a split's check is kept: ROOT/.checked-NAME.json (None for a Hugging Face dataset in memory)."""
+    return split["root"] / f".checked-{split['name']}.json" if split["root"] else None
 
 
 def _decode_unless_recorded(files, decode, *, accelerator, record, cache):

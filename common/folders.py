@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import InMemoryDataset, build_dataloader, mix_seed
-from .decode_cache import check_images, machine_share
+from .decode_cache import check_images, machine_share, split_record
 from .errors import UserError
 from .hf import find_hf_splits, is_hf
 from .images import check_classes, folder_entries, list_image_folder, read_image, split_dataset
@@ -126,9 +126,8 @@ def build_folder_dataset(split, *, transform, skip_bad_images, cache=None, seed=
     in `left_out`). `cache`: the eval_transform spec the images are decoded to once, into the decode cache. With a
     cache and no `transform`, an InMemoryDataset over the mapped cache instead: a batch is one gather, no workers,
     no Python per image, so that the CPU only copies bytes while the device augments."""
-    record = split["root"] / f".checked-{split['name']}.json" if split["root"] else None  # None: a dataset in memory
     good, bad, images = check_images(split["files"], skip_bad_images=skip_bad_images, cache=cache,
-                                     accelerator=accelerator, record=record)
+                                     accelerator=accelerator, record=split_record(split))
     labels, classes = [split["labels"][i] for i in good], split["classes"]
     if images is not None and transform is None:
         dataset = InMemoryDataset(images, torch.tensor(labels), classes, rows=good,

@@ -32,6 +32,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find common/ from any working directory
+from benchmark_hf import write_dataset  # noqa: E402  (this script's folder)
 from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, positive_int  # noqa: E402
 
@@ -76,22 +77,6 @@ def generate(folder, count, px):
         pixels = (colour * base + rng.uniform(0, 40, size=(px, px, 3))).clip(0, 255).astype(np.uint8)
         Image.fromarray(pixels).save(folder / f"class_{i % CLASSES}" / f"{i:06d}.jpg", quality=90)
     (folder / ".complete").touch()
-
-
-def generate_hf(folder, target):
-    """The JPEGs of `folder` as a save_to_disk dataset (their bytes, a ClassLabel), unless `target` holds it."""
-    if (target / ".complete").exists():
-        return
-    import datasets
-
-    from common.images import list_image_folder
-
-    files, labels, classes, _ = list_image_folder(folder)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-    datasets.Dataset.from_generator(
-        lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
-                 for file, label in zip(files, labels)), features=features).save_to_disk(target)
-    (target / ".complete").touch()
 
 
 def memory_mb():
@@ -211,7 +196,7 @@ def main(args):
         sources = {"folder": (folder, folder)}
         if args.hf:
             start = time.perf_counter()
-            generate_hf(folder, folder.with_name(f"hf_{size}"))
+            write_dataset(folder, folder.with_name(f"hf_{size}"))
             print(f"... as a Hugging Face dataset in {folder.with_name(f'hf_{size}')} "
                   f"({time.perf_counter() - start:.0f} s to write)", flush=True)
             sources["hf"] = (f"hf:{folder.with_name(f'hf_{size}')}", folder.with_name(f"hf_{size}"))

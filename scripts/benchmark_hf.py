@@ -31,9 +31,8 @@ def parse_args(argv=None):
     parser.add_argument("--data_dir", default="data/plant-seedlings", help="a folder of class folders")
     parser.add_argument("--work_dir", default="/tmp/hf-bench", help="the dataset and the runs go here")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per source and path (default: 2)")
-    args, training = parser.parse_known_args(argv)
-    args.training = [flag for flag in training if flag != "--"]
-    return args
+    parser.add_argument("training", nargs="*", help="train_seedlings.py's flags, after --")
+    return parser.parse_args(argv)
 
 
 def write_dataset(folder, target):
@@ -44,8 +43,9 @@ def write_dataset(folder, target):
 
     files, labels, classes, _ = list_image_folder(folder)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-    datasets.Dataset.from_dict({"image": [{"bytes": file.read_bytes(), "path": file.name} for file in files],
-                                "label": labels}, features=features).save_to_disk(target)
+    datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
+        lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
+                 for file, label in zip(files, labels)), features=features).save_to_disk(target)
 
 
 def train(data_dir, output_dir, flags):

@@ -32,7 +32,7 @@ TOOLS = {"train_mnist.py": [], "train_cifar.py": [], "train_seedlings.py": [], "
          "predict.py": ["--model_dir", "m", "x.png"], "compute_mean_std.py": ["folder"],
          "split_dataset.py": ["source", "target"], "evaluate.py": ["--model_dir", "m"],
          "export.py": ["--model_dir", "m", "--output", "m.onnx", "--check_images", "x.png"], "benchmark_folders.py": [],
-         "benchmark_peers.py": ["seedlings", "--data_dir", "d"]}
+         "benchmark_hf.py": [], "benchmark_peers.py": ["seedlings", "--data_dir", "d"]}
 
 
 def assert_refused(result, *phrases):

@@ -1,6 +1,7 @@
 """Real `accelerate launch` runs on CPU: two processes share the work, evaluation counts each sample once."""
 
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -162,20 +163,37 @@ def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
 
 
 def test_folder_benchmark_measures_start_up_and_memory_on_1_and_2_processes(tmp_path):
+    """Of a folder and (--hf) of the same images as a Hugging Face dataset."""
     result = run_command([sys.executable, REPO / "scripts" / "benchmark_folders.py", "--sizes", 120, "--batches", 2,
-                          "--work_dir", tmp_path])
+                          "--work_dir", tmp_path, "--hf"])
     assert result.returncode == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
-    assert [row.get("processes") for row in rows] == [1, 2, None]
-    for row in rows[:2]:  # start-ups of both paths, CPU time, RSS and PSS for every process, from /proc
+    assert [(row["source"], row.get("processes")) for row in rows] == [
+        ("folder", 1), ("folder", 2), ("folder", None), ("hf", 1), ("hf", 2), ("hf", None)]
+    for row in rows[:2] + rows[3:5]:  # start-ups of both paths, CPU time, RSS and PSS for every process, from /proc
         for path in ("files", "cache"):
             assert row[f"{path}_cold_startup_s"] > 0 and row[f"{path}_warm_startup_s"] > 0
             assert len(row[f"{path}_cold_cpu_s_per_process"]) == row["processes"]
         assert len(row["pss_mb_per_process"]) == row["processes"] and min(row["pss_mb_per_process"]) > 0
-    assert set(rows[2]["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "cache_cpu_share",
+    for row in rows[2], rows[5]:
+        assert set(row["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "cache_cpu_share",
                                                      "seed_pipeline"}
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
-    assert "| 120 | 2 |" in result.output
+    assert (tmp_path / "hf_120" / "state.json").exists() and (tmp_path / "hf_120" / ".checked-train.json").exists()
+    assert "| 120 | folder | 2 |" in result.output and "| 120 | hf | 2 |" in result.output
+
+
+def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(tmp_path, seedlings):
+    result = run_command([sys.executable, REPO / "scripts" / "benchmark_hf.py", "--data_dir", seedlings, "--work_dir",
+                          tmp_path, "--repeats", 1, "--", "--model", "resnet18", "--image_size", 32, "--epochs", 1,
+                          "--batch_size", 8])
+    assert result.returncode == 0, result.output
+    runs = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [(run["path"], run["source"]) for run in runs] == [("decode cache", "folder"), ("decode cache", "hf"),
+                                                              ("files, workers", "folder"), ("files, workers", "hf")]
+    for folder, hf in (runs[:2], runs[2:]):  # the same batches: the same accuracy
+        assert folder["val_accuracy"] == hf["val_accuracy"] and hf["images_per_s"] > 0 and hf["startup_s"] > 0
+    assert re.search(r"\| files, workers \| hf \| [\d.]+ \([\d.]+\) \| [\d.]+ \|", result.output)
 
 
 SHARED = REPO.parent / "shared"  # the peers' scripts live beside the repository, never in it
