@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from .errors import UserError
-from .images import split_dataset
+from .images import list_image_folder, split_dataset
 
 PREFIX = "hf:"
 VAL_SPLITS = ("validation", "valid", "val", "test")  # the first one a dataset has chooses the best model
@@ -238,6 +238,20 @@ def _values(dataset, column, data_dir, split):
             raise UserError(f"{data_dir} split {split!r} column {column!r} row {row} has no label ({value}): remove "
                             "the unlabelled rows (Dataset.filter) or choose another split")
     return values
+
+
+def save_folder_as_dataset(folder, target):
+    """A folder of class folders as a save_to_disk dataset at `target` (unless one is there): each image's bytes as
+    they are in an Image column `image`, the classes in a ClassLabel column `label` (scripts/benchmark_hf.py)."""
+    if (Path(target) / "state.json").exists():
+        return
+    import datasets
+
+    files, labels, classes, _ = list_image_folder(folder)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+    datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
+        lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
+                 for file, label in zip(files, labels)), features=features).save_to_disk(target)
 
 
 class HFImages:

@@ -32,9 +32,9 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find common/ from any working directory
-from benchmark_hf import write_dataset  # noqa: E402  (this script's folder)
 from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, positive_int  # noqa: E402
+from common.hf import save_folder_as_dataset  # noqa: E402
 
 CLASSES = 10
 
@@ -196,7 +196,7 @@ def main(args):
         sources = {"folder": (folder, folder)}
         if args.hf:
             start = time.perf_counter()
-            write_dataset(folder, folder.with_name(f"hf_{size}"))
+            save_folder_as_dataset(folder, folder.with_name(f"hf_{size}"))
             print(f"... as a Hugging Face dataset in {folder.with_name(f'hf_{size}')} "
                   f"({time.perf_counter() - start:.0f} s to write)", flush=True)
             sources["hf"] = (f"hf:{folder.with_name(f'hf_{size}')}", folder.with_name(f"hf_{size}"))

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, positive_int  # noqa: E402
-from common.images import list_image_folder  # noqa: E402
+from common.hf import save_folder_as_dataset  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,19 +33,6 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per source and path (default: 2)")
     parser.add_argument("training", nargs="*", help="train_seedlings.py's flags, after --")
     return parser.parse_args(argv)
-
-
-def write_dataset(folder, target):
-    """The images of `folder` as a save_to_disk dataset, their bytes as they are, unless `target` holds it."""
-    if (target / "state.json").exists():
-        return
-    import datasets
-
-    files, labels, classes, _ = list_image_folder(folder)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-    datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
-        lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
-                 for file, label in zip(files, labels)), features=features).save_to_disk(target)
 
 
 def train(data_dir, output_dir, flags):
@@ -68,7 +55,7 @@ def train(data_dir, output_dir, flags):
 def main(args):
     work = Path(args.work_dir)
     hf_dir = work / "dataset"
-    write_dataset(Path(args.data_dir), hf_dir)
+    save_folder_as_dataset(Path(args.data_dir), hf_dir)
     sources = {"folder": Path(args.data_dir).resolve(), "hf": f"hf:{hf_dir.resolve()}"}
     results = {}
     for path, flags in (("decode cache", []), ("files, workers", ["--no-cache_images"])):
