@@ -80,10 +80,6 @@ def find_splits(data_dir, *, val_fraction, seed, hf_options=None):
     "classes", "name" (train, val), "root" (where its decode cache goes) and "source" (the data, in words)."""
     if is_hf(data_dir):
         return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, **(hf_options or {}))
-    given = [f"--{name}" for name, value in (hf_options or {}).items() if value is not None]
-    if given:
-        raise UserError(f"{' and '.join(given)} choose(s) a Hugging Face dataset's splits and columns, and "
-                        f"--data_dir {data_dir} is a folder: drop {given[0]}, or pass --data_dir hf:NAME_OR_PATH")
     root = Path(data_dir)
     has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
     if has_train and not has_val and has_test:

@@ -46,10 +46,19 @@ def _has_data_files(folder):
                for path in [*folder.glob("*"), *folder.glob("*/*")])
 
 
-def hf_options(args):
-    """Those of --train_split, --val_split, --image_column, --label_column that the script of `args` has."""
-    return {name: getattr(args, name) for name in ("train_split", "val_split", "image_column", "label_column")
-            if hasattr(args, name)}
+def hf_options(args, data_dir=None, *, flag="--data_dir"):
+    """Those of --train_split, --val_split, --image_column, --label_column that the script of `args` has; refused
+    when given for data (`data_dir`, else args.data_dir; given as `flag`) that is not a Hugging Face dataset: they
+    would do nothing."""
+    options = {name: getattr(args, name) for name in ("train_split", "val_split", "image_column", "label_column")
+               if hasattr(args, name)}
+    data_dir = args.data_dir if data_dir is None else data_dir
+    given = [f"--{name}" for name, value in options.items() if value is not None]
+    if given and not is_hf(data_dir):
+        where = f"{flag} {data_dir}".strip() + " is a folder" if data_dir else f"no {flag} names one"
+        raise UserError(f"{' and '.join(given)} choose(s) a Hugging Face dataset's splits and columns, and {where}: "
+                        f"drop {given[0]}, or pass " + f"{flag} hf:NAME_OR_PATH".strip())
+    return options
 
 
 def load_hf(data_dir):

@@ -73,12 +73,12 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
     `options`: the parsed flags that name a Hugging Face dataset's columns."""
     if kind != "digits" and data_dir is None:
         raise UserError(f"--data_dir is needed for a {kind} dataset")
+    columns = hf_options(options, data_dir) if options else {}
     if is_hf(data_dir) and kind != "folder":  # any split by name, decoded as the model's training set was
-        return decode_split(find_hf_split(data_dir, split, **hf_options(options)), size=meta["image_size"],
+        return decode_split(find_hf_split(data_dir, split, **columns), size=meta["image_size"],
                             channels=meta["model_kwargs"]["in_chans"], accelerator=accelerator)
     if kind == "folder":
-        listed = (find_hf_split(data_dir, split, **hf_options(options)) if is_hf(data_dir)
-                  else list_folder_split(data_dir, split))
+        listed = find_hf_split(data_dir, split, **columns) if is_hf(data_dir) else list_folder_split(data_dir, split)
         dataset = build_folder_dataset(listed, transform=build_eval_transform(meta["eval_transform"]),
                                        skip_bad_images=skip_bad_images, accelerator=accelerator)
         if dataset.left_out and accelerator.is_main_process:
@@ -97,7 +97,7 @@ def list_folder_split(data_dir, split):
     files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
     # the check is kept where a training run keeps its own
     return {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
-            "root": Path(data_dir), "source": str(Path(data_dir) / split if named else data_dir)}
+            "root": Path(data_dir)}
 
 
 def in_model_classes(dataset, class_names, where):

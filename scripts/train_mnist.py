@@ -69,11 +69,12 @@ def main(args):
     set_seed(args.seed)
 
     # data: uint8 tensors in memory; the model's "rescale" is preprocess with mean 0, std 1
+    options = hf_options(args)  # refused with the digits, which are no Hugging Face dataset
     if args.dataset == "digits":
         train_set, test_set = build_digits(seed=args.seed)
     else:
         train_set, test_set = build_mnist(args.data_dir, name=args.dataset, download=args.download,
-                                          accelerator=accelerator, hf_options=hf_options(args))
+                                          accelerator=accelerator, hf_options=options)
     # --val_fraction: best/ is chosen on a held-out share of the training set, the test set is scored at the end
     train_set, eval_set = (hold_out(train_set, fraction=args.val_fraction, seed=args.seed) if args.val_fraction
                            else (train_set, test_set))

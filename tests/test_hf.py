@@ -6,6 +6,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from common.errors import UserError
 from common.folders import find_splits
+from common.hf import hf_options
 from common.images import list_image_folder
 from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, run_command)
 
@@ -179,8 +181,13 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
                                          r"one format are hf:parquet:GLOB, .*\): \S")
     refused(f"hf:parquet:{tmp_path / 'none' / '*.parquet'}", r"cannot load hf:parquet:.*, read as parquet files "
                                                               r"matching '.*none/\*\.parquet': \S")
-    refused(seedlings, r"--label_column choose\(s\) a Hugging Face dataset's splits and columns, and --data_dir .* is "
-                       r"a folder", label_column="species")
+    # every script's flags are read through hf_options, which refuses them for a folder
+    with pytest.raises(UserError, match=r"--label_column choose\(s\) a Hugging Face dataset's splits and columns, "
+                                        r"and --data_dir .* is a folder"):
+        hf_options(SimpleNamespace(data_dir=seedlings, label_column="species", image_column=None))
+    with pytest.raises(UserError, match=r"--label_column choose\(s\) .*, and no --data_dir names one: drop "
+                                        r"--label_column, or pass --data_dir hf:NAME_OR_PATH"):
+        hf_options(SimpleNamespace(data_dir=None, label_column="species"))  # evaluate.py on the digits
 
     def saved_with(name, columns, features):
         path = tmp_path / name
