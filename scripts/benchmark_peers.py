@@ -3,6 +3,7 @@
     python scripts/benchmark_peers.py seedlings --data_dir data/plant-seedlings --peers_dir ../shared/peers
     python scripts/benchmark_peers.py fashion_mnist --data_dir /usr/share/datasets/fashion-mnist \\
         --seed_script ../shared/refs/seed_mnist_ref.py
+    python scripts/benchmark_peers.py seedlings ... --device cuda --mixed_precision bf16     # on one GPU
 
 The peers are not part of this repository: pass the folder holding timm's `train.py` (as `timm_train.py`) and
 Accelerate's `examples/cv_example.py` with its patch applied (`--peers_dir`), or the seed post's script
@@ -85,6 +86,8 @@ def parse_args(argv=None):
                         help="the fixed target accuracy, a fraction (default: the task's, 0.60 or 0.84)")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
                         help="for every script (timm: --amp --amp-dtype bfloat16; default: %(default)s)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every script trains (default: %(default)s; cuda: one GPU, one process)")
     parser.add_argument("--ours_args", default="", help="extra flags for our script, e.g. '--no-cache_images'")
     parser.add_argument("--work_dir", type=path, default="outputs/benchmark_peers",
                         help="the converted data, each run's output folder and log (default: %(default)s)")
@@ -92,8 +95,9 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def describe_cpu():
-    """The CPU's model and whether it computes bf16 natively: times are comparable only on the same kind."""
+def describe_cpu(device):
+    """The CPU's model and whether it computes bf16 natively (and the GPU, if one trains): times are comparable only
+    on the same kind."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     fields = {name: re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE) for name in ("model name", "cpu family",
                                                                                           "model")}
@@ -102,7 +106,8 @@ def describe_cpu():
         name += f" (family {fields['cpu family'].group(1)}, model {fields['model'].group(1)})"
     sets = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if re.search(rf"\b{flag}\b", cpuinfo)]
     return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "instruction_sets": sets,
-            "bf16_native": cpu_computes_bf16(), "torch": torch.__version__}
+            "bf16_native": cpu_computes_bf16(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
 
 
 def prepare_seedlings(data_dir, work_dir):
@@ -168,14 +173,14 @@ def commands(args, *, epochs, processes, run_seed, run_dir, data):
         found["timm"] = ([sys.executable, Path(args.peers_dir) / "timm_train.py", "--data-dir", split,
                           "--train-split", "train", "--val-split", "val", "--model", "resnet18", "--num-classes",
                           classes, "--img-size", args.image_size, "--epochs", epochs, "--seed", run_seed, "--device",
-                          "cpu", "--opt", "adamw", "--lr", "1e-3", "--weight-decay", 0.05, "--sched", "cosine",
+                          args.device, "--opt", "adamw", "--lr", "1e-3", "--weight-decay", 0.05, "--sched", "cosine",
                           "--sched-on-updates", "--warmup-epochs", 0, "--smoothing", 0.1, "--scale", 0.35, 1.0,
                           "--vflip", 0.5, "--color-jitter", 0, "--batch-size", args.batch_size, "--output",
                           run_dir / "timm", *(["--amp", "--amp-dtype", "bfloat16"] if bf16 else [])], {})
     if args.peers_dir:  # its seed is fixed at 42 in the example: its repeats differ in timing only
         found["cv_example"] = ([*launch, Path(args.peers_dir) / "cv_example.py", "--data_dir", flat / "train",
-                                "--val_dir", flat / "val", "--cpu", "--recipe", "same", "--mixed_precision",
-                                args.mixed_precision],
+                                "--val_dir", flat / "val", *(["--cpu"] if args.device == "cpu" else []), "--recipe",
+                                "same", "--mixed_precision", args.mixed_precision],
                                {"CV_BATCH_SIZE": str(args.batch_size // processes), "CV_EPOCHS": str(epochs),
                                 "CV_IMAGE_SIZE": str(args.image_size)})
     return found
@@ -247,14 +252,17 @@ def main(args):
     epochs, processes = args.epochs or task["epochs"], args.processes or task["processes"]
     target = args.target or task["target"]
     check_inputs(args)
+    if args.device == "cuda" and (processes > 1 or not torch.cuda.is_available()):
+        raise UserError("--device cuda runs every script on one GPU, one process: "
+                        + ("--processes 1" if torch.cuda.is_available() else "this machine has no GPU that torch sees"))
     work_dir = Path(args.work_dir)
     check_not_inside(work_dir, [args.data_dir], flag="--work_dir")
     if work_dir.exists() and not work_dir.is_dir():
         raise UserError(f"--work_dir {work_dir} is a file: choose a folder (it is created if missing)")
     work_dir.mkdir(parents=True, exist_ok=True)
     data = prepare_seedlings(args.data_dir, work_dir) if args.task == "seedlings" else args.data_dir
-    cpu = describe_cpu()
-    print(f"{cpu['cpu']}, {cpu['cores']} cores, {' '.join(cpu['instruction_sets'])}; bf16 native: "
+    cpu = describe_cpu(args.device)
+    print(f"{cpu['gpu'] + ' with ' if cpu['gpu'] else ''}{cpu['cpu']}, {cpu['cores']} cores, {' '.join(cpu['instruction_sets'])}; bf16 native: "
           f"{'yes' if cpu['bf16_native'] else 'no'}; torch {cpu['torch']}; {args.task}, {epochs} epochs, "
           f"{processes} process(es), mixed precision {args.mixed_precision}", flush=True)
 

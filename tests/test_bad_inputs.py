@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from common.checkpoint import find_checkpoint
@@ -103,7 +104,6 @@ def test_a_bad_flag_value_stops_at_parse_time_naming_the_flag(name, flag, value,
 
 
 def test_device_cuda_without_a_gpu_is_refused_at_parse_time(capsys):
-    import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -288,6 +288,9 @@ def test_the_peer_benchmark_refuses_a_careless_command_before_it_runs_anything(t
              (["seedlings", "--data_dir", data, "--work_dir", data / "Maize" / "006196e1c.png"], "is inside the input")]
     (tmp_path / "file").write_text("not a folder")
     cases.append((["seedlings", "--data_dir", data, "--work_dir", tmp_path / "file"], "is a file: choose a folder"))
+    if not torch.cuda.is_available():
+        cases.append((["seedlings", "--data_dir", data, "--device", "cuda"],
+                      "--device cuda runs every script on one GPU, one process: this machine has no GPU that torch sees"))
     before = snapshot(data)
     for args, message in cases:
         assert_refused(script("benchmark_peers.py", *args), message)
