@@ -11,6 +11,7 @@ the folder where the decode cache and its record go (the split's own Arrow files
 import hashlib
 import io
 import os
+import re
 from pathlib import Path
 
 from .errors import UserError
@@ -34,6 +35,8 @@ def add_hf_args(parser, *, splits=True):
         parser.add_argument("--val_split", default=None,
                             help=f"hf: the split that chooses the best model (default: the first of "
                                  f"{', '.join(VAL_SPLITS)}; without one, --val_fraction of the training split)")
+    parser.add_argument("--dataset_config", default=None,
+                        help="hf: the configuration (subset) of a dataset that has several (default: its only one)")
     parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
     parser.add_argument("--label_column", default=None,
                         help="hf: the label column (default: the ClassLabel feature); strings or integers become "
@@ -47,23 +50,24 @@ def _has_data_files(folder):
 
 
 def hf_options(args, data_dir=None, *, flag="--data_dir"):
-    """Those of --train_split, --val_split, --image_column, --label_column that the script of `args` has; refused
+    """Those of --dataset_config, --train_split, --val_split, --image_column, --label_column that the script of
+    `args` has; refused
     when given for data (`data_dir`, else args.data_dir; given as `flag`) that is not a Hugging Face dataset: they
     would do nothing."""
-    options = {name: getattr(args, name) for name in ("train_split", "val_split", "image_column", "label_column")
-               if hasattr(args, name)}
+    options = {name: getattr(args, name) for name in ("dataset_config", "train_split", "val_split", "image_column",
+                                                      "label_column") if hasattr(args, name)}
     data_dir = args.data_dir if data_dir is None else data_dir
     given = [f"--{name}" for name, value in options.items() if value is not None]
     if given and not is_hf(data_dir):
         where = f"{flag} {data_dir}".strip() + " is a folder" if data_dir else f"no {flag} names one"
-        raise UserError(f"{' and '.join(given)} choose(s) a Hugging Face dataset's splits and columns, and {where}: "
+        raise UserError(f"{' and '.join(given)} choose(s) what to read of a Hugging Face dataset, and {where}: "
                         f"drop {given[0]}, or pass " + f"{flag} hf:NAME_OR_PATH".strip())
     return options
 
 
-def load_hf(data_dir):
-    """{split name: datasets.Dataset} of `hf:...`; one message for a name that is neither a folder nor a dataset
-    the Hub (or the offline cache) knows."""
+def load_hf(data_dir, config=None):
+    """{split name: datasets.Dataset} of `hf:...` (of its configuration `config`, --dataset_config); one message for a
+    name that is neither a folder nor a dataset the Hub (or the offline cache) knows, or a configuration it lacks."""
     import datasets  # imported here: only this source needs it (2 s)
 
     if os.environ.get("RANK", "0") != "0":  # one process shows the download and conversion
@@ -71,6 +75,10 @@ def load_hf(data_dir):
     spec = str(data_dir)[len(PREFIX):]
     kind, _, files = spec.partition(":")
     saved = Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json"))
+    if config is not None and ((kind in FORMATS and files) or saved):
+        raise UserError(f"--dataset_config chooses one of the configurations of a dataset on the Hub or of a folder of "
+                        f"data files; {data_dir} is {'a folder written by save_to_disk' if saved else f'{kind} files'}"
+                        f", which has none: drop --dataset_config {config}")
     try:
         if kind in FORMATS and files:
             loaded = datasets.load_dataset(kind, data_files=files)
@@ -80,10 +88,14 @@ def load_hf(data_dir):
             raise UserError(f"{data_dir} is a folder, but neither one written by save_to_disk nor one of data files "
                             f"({', '.join(DATA_FILES)}). For a folder of images pass --data_dir {spec} (without hf:)")
         else:
-            loaded = datasets.load_dataset(spec)
+            loaded = datasets.load_dataset(spec, name=config)
     except UserError:
         raise
     except Exception as error:  # datasets raises a dozen kinds: not found, offline, a format it cannot read
+        names = re.search(r"(?:available configs|Available): \[([^\]]*)\]", str(error))
+        if names:  # several configurations and none chosen, or one it does not have
+            raise UserError(f"{data_dir} has the configurations {names.group(1)}"
+                            + (f", not {config!r}" if config else "") + ": choose one with --dataset_config NAME")
         offline = (" (offline: HF_HUB_OFFLINE=1, from the local cache only)"
                    if os.environ.get("HF_HUB_OFFLINE") == "1" else "")
         read_as = (f"{kind} files matching {files!r}" if kind in FORMATS and files
@@ -96,12 +108,12 @@ def load_hf(data_dir):
     return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
 
 
-def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=None, image_column=None,
-                   label_column=None):
+def find_hf_splits(data_dir, *, val_fraction, seed, dataset_config=None, train_split=None, val_split=None,
+                   image_column=None, label_column=None):
     """(train, val, classes, skipped) as `find_splits` gives them for a folder; each split's "source" says in words
     which splits and columns were chosen and why, for the first log line. Without a validation split, `val_fraction`
     of the training split validates (None: refused)."""
-    splits = load_hf(data_dir)
+    splits = load_hf(data_dir, dataset_config)
     train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
     given_val = val_split is not None
     val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if given_val
@@ -115,7 +127,8 @@ def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=
     if len(classes) < 2:
         raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
                         f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
-    how = [f"{data_dir}: split {train_name!r} trains"]
+    how = [f"{data_dir}" + (f" (configuration {dataset_config!r})" if dataset_config else "")
+           + f": split {train_name!r} trains"]
     if val_name is None and val_fraction is None:
         raise UserError(f"{data_dir} has no held-out split ({', '.join(VAL_SPLITS)}); its splits: "
                         f"{', '.join(map(repr, splits))}. Name the one to score with --val_split")
@@ -143,24 +156,24 @@ def find_hf_splits(data_dir, *, val_fraction, seed, train_split=None, val_split=
     return train, val, classes, []
 
 
-def find_hf_split(data_dir, split, *, image_column=None, label_column=None):
+def find_hf_split(data_dir, split, *, dataset_config=None, image_column=None, label_column=None):
     """One split of a Hugging Face dataset (scripts/evaluate.py), as `find_hf_splits` gives them; its classes are
     its own (a ClassLabel's names, else its sorted values)."""
-    dataset, name, image_column = _one_split(data_dir, split, image_column)
+    dataset, name, image_column = _one_split(data_dir, split, image_column, dataset_config)
     label_column = _column(dataset, label_column, "ClassLabel", "--label_column", data_dir, name)
     labels, classes, _ = _classes(dataset, label_column, data_dir, name)
     return _as_split(dataset, image_column, range(len(dataset)), labels, classes, data_dir=data_dir, split=name,
                      name=f"hf-{name}", source=f"{data_dir} split {name!r}")
 
 
-def hf_images(data_dir, split, *, image_column=None):
+def hf_images(data_dir, split, *, dataset_config=None, image_column=None):
     """The images of one split of a Hugging Face dataset, as HFImages (scripts/compute_mean_std.py)."""
-    dataset, name, image_column = _one_split(data_dir, split, image_column)
+    dataset, name, image_column = _one_split(data_dir, split, image_column, dataset_config)
     return HFImages(dataset, image_column, range(len(dataset)), name=f"{data_dir}[{name}]")
 
 
-def _one_split(data_dir, split, image_column):
-    splits = load_hf(data_dir)
+def _one_split(data_dir, split, image_column, dataset_config):
+    splits = load_hf(data_dir, dataset_config)
     name = _split_name(splits, split, (), "--split", data_dir)
     return splits[name], name, _column(splits[name], image_column, "Image", "--image_column", data_dir, name)
 

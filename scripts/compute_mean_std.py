@@ -27,6 +27,8 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="images, searched recursively, or hf:NAME_OR_PATH (a Hugging Face dataset)")
     parser.add_argument("--split", default="train", help="hf: the split (default: %(default)s)")
+    parser.add_argument("--dataset_config", default=None,
+                        help="hf: the configuration (subset) of a dataset that has several (default: its only one)")
     parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
     parser.add_argument("--output", default="mean_std.json",
                         help="JSON to write; an existing one is replaced only if this script wrote it (default: %(default)s)")

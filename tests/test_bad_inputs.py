@@ -104,7 +104,6 @@ def test_a_bad_flag_value_stops_at_parse_time_naming_the_flag(name, flag, value,
 
 
 def test_device_cuda_without_a_gpu_is_refused_at_parse_time(capsys):
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit):

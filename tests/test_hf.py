@@ -182,7 +182,7 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
     refused(f"hf:parquet:{tmp_path / 'none' / '*.parquet'}", r"cannot load hf:parquet:.*, read as parquet files "
                                                               r"matching '.*none/\*\.parquet': \S")
     # every script's flags are read through hf_options, which refuses them for a folder
-    with pytest.raises(UserError, match=r"--label_column choose\(s\) a Hugging Face dataset's splits and columns, "
+    with pytest.raises(UserError, match=r"--label_column choose\(s\) what to read of a Hugging Face dataset, "
                                         r"and --data_dir .* is a folder"):
         hf_options(SimpleNamespace(data_dir=seedlings, label_column="species", image_column=None))
     with pytest.raises(UserError, match=r"--label_column choose\(s\) .*, and no --data_dir names one: drop "
@@ -219,6 +219,33 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
                label_names=["a", "b", "c"]).save_to_disk(tmp_path / "unseen")
     refused(f"hf:{tmp_path / 'unseen'}", r"split 'validation' row 1 has label 'c', which the training split does not "
                                          r"have \(its classes: a, b\)", label_column="name")
+
+    # a folder of data files with two configurations (README.md's `configs:`, as on the Hub): --dataset_config
+    configs = tmp_path / "configs"
+    for config, parts in {"small": {"train": 8, "validation": 4}, "big": {"train": 20, "test": 6}}.items():
+        (configs / config).mkdir(parents=True)
+        for name, count in parts.items():
+            hf_dataset({name: (files[:count], labels[:count])}, classes=classes)[name].to_parquet(
+                configs / config / f"{name}.parquet")
+    (configs / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {config}\n  data_files:\n" + "".join(f"  - split: {name}\n    path: {config}/{name}.parquet\n"
+                                                             for name in parts)
+        for config, parts in {"small": ("train", "validation"), "big": ("train", "test")}.items()) + "---\n")
+    refused(f"hf:{configs}", r"hf:.*configs has the configurations 'small', 'big': choose one with --dataset_config NAME")
+    refused(f"hf:{configs}", r"has the configurations 'small', 'big', not 'tiny': choose one with --dataset_config",
+            dataset_config="tiny")
+    refused(f"hf:{saved}", r"--dataset_config chooses one of the configurations of a dataset on the Hub or of a folder "
+                           r"of data files; hf:.*saved is a folder written by save_to_disk, which has none: drop "
+                           r"--dataset_config small", dataset_config="small")
+    for config, sizes in {"small": (8, 4), "big": (20, 6)}.items():
+        train, val, _, _ = find_splits(f"hf:{configs}", val_fraction=0.3, seed=42,
+                                       hf_options={"dataset_config": config})
+        assert (len(train["files"]), len(val["files"])) == sizes
+        assert f"(configuration {config!r})" in train["source"]
+    result = run_command([sys.executable, SCRIPTS / "compute_mean_std.py", f"hf:{configs}", "--dataset_config", "big",
+                          "--split", "test", "--output", tmp_path / "mean_std.json"])
+    assert result.returncode == 0, result.output
+    assert len(json.loads((tmp_path / "mean_std.json").read_text())["mean"]) == 3
 
     from common.cifar import build_cifar10
 
