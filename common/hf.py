@@ -6,6 +6,7 @@
 becomes what `common.folders.find_splits` gives for a folder: "files" that `read_image` opens (each an `HFImage`,
 its encoded bytes undecoded until a worker or the decode cache reads it), "labels", "classes", "name", and "root",
 the folder where the decode cache and its record go (the split's own Arrow files; None for a set in memory).
+`find_hf_stream` chooses the same splits and columns of a dataset read as streams (--streaming: common.streaming).
 """
 
 import hashlib
@@ -15,6 +16,7 @@ import re
 from pathlib import Path
 
 from .errors import UserError
+from .flags import positive_int
 from .images import list_image_folder, split_dataset
 
 PREFIX = "hf:"
@@ -27,9 +29,9 @@ def is_hf(data_dir):
     return str(data_dir).startswith(PREFIX)
 
 
-def add_hf_args(parser, *, splits=True):
+def add_hf_args(parser, *, splits=True, streaming=False):
     """The flags that choose a Hugging Face dataset's columns and (`splits`) its training and validation splits;
-    by default found by type and name."""
+    by default found by type and name. `streaming`: --streaming and --shuffle_buffer (common.streaming)."""
     if splits:
         parser.add_argument("--train_split", default=None, help="hf: the training split (default: train)")
         parser.add_argument("--val_split", default=None,
@@ -41,6 +43,12 @@ def add_hf_args(parser, *, splits=True):
     parser.add_argument("--label_column", default=None,
                         help="hf: the label column (default: the ClassLabel feature); strings or integers become "
                              "classes by sorted value")
+    if streaming:
+        parser.add_argument("--streaming", action="store_true",
+                            help="hf: read the training split as a stream while training, never whole on the disk "
+                                 "(needs a held-out split; see README)")
+        parser.add_argument("--shuffle_buffer", type=positive_int, default=10000,
+                                    help="--streaming: examples each process shuffles among (default: %(default)s)")
 
 
 def _has_data_files(folder):
@@ -58,6 +66,7 @@ def hf_options(args, data_dir=None, *, flag="--data_dir"):
                                                       "label_column") if hasattr(args, name)}
     data_dir = args.data_dir if data_dir is None else data_dir
     given = [f"--{name}" for name, value in options.items() if value is not None]
+    given += ["--streaming"] if getattr(args, "streaming", False) else []
     if given and not is_hf(data_dir):
         where = f"{flag} {data_dir}".strip() + " is a folder" if data_dir else f"no {flag} names one"
         raise UserError(f"{' and '.join(given)} choose(s) what to read of a Hugging Face dataset, and {where}: "
@@ -65,9 +74,10 @@ def hf_options(args, data_dir=None, *, flag="--data_dir"):
     return options
 
 
-def load_hf(data_dir, config=None):
+def load_hf(data_dir, config=None, *, streaming=False):
     """{split name: datasets.Dataset} of `hf:...` (of its configuration `config`, --dataset_config); one message for a
-    name that is neither a folder nor a dataset the Hub (or the offline cache) knows, or a configuration it lacks."""
+    name that is neither a folder nor a dataset the Hub (or the offline cache) knows, or a configuration it lacks.
+    `streaming`: datasets.IterableDataset splits, read as they are iterated (a save_to_disk folder's from its files)."""
     import datasets  # imported here: only this source needs it (2 s)
 
     if os.environ.get("RANK", "0") != "0":  # one process shows the download and conversion
@@ -81,14 +91,18 @@ def load_hf(data_dir, config=None):
                         f", which has none: drop --dataset_config {config}")
     try:
         if kind in FORMATS and files:
-            loaded = datasets.load_dataset(kind, data_files=files)
+            loaded = datasets.load_dataset(kind, data_files=files, streaming=streaming)
         elif saved:
             loaded = datasets.load_from_disk(spec)
+            if streaming:
+                loaded = (datasets.IterableDatasetDict({name: split.to_iterable_dataset() for name, split in
+                                                        loaded.items()})
+                          if isinstance(loaded, datasets.DatasetDict) else loaded.to_iterable_dataset())
         elif Path(spec).is_dir() and not _has_data_files(Path(spec)):
             raise UserError(f"{data_dir} is a folder, but neither one written by save_to_disk nor one of data files "
                             f"({', '.join(DATA_FILES)}). For a folder of images pass --data_dir {spec} (without hf:)")
         else:
-            loaded = datasets.load_dataset(spec, name=config)
+            loaded = datasets.load_dataset(spec, name=config, streaming=streaming)
     except UserError:
         raise
     except Exception as error:  # datasets raises a dozen kinds: not found, offline, a format it cannot read
@@ -105,7 +119,8 @@ def load_hf(data_dir, config=None):
                         f"{', '.join(FORMATS[1:])})")
         raise UserError(f"cannot load {data_dir}, read as {read_as}: "
                         f"{' '.join(str(error).split()) or type(error).__name__}") from None
-    return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+    return (dict(loaded) if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict))
+            else {"train": loaded})
 
 
 def find_hf_splits(data_dir, *, val_fraction, seed, dataset_config=None, train_split=None, val_split=None,
@@ -154,6 +169,57 @@ def find_hf_splits(data_dir, *, val_fraction, seed, dataset_config=None, train_s
                             split=split_names[name], name=name, source=how)
                   for name, (dataset, rows, part_labels) in parts.items())
     return train, val, classes, []
+
+
+def find_hf_stream(data_dir, *, dataset_config=None, train_split=None, val_split=None, image_column=None,
+                   label_column=None):
+    """(train, val, classes) of a dataset read as streams (--streaming): splits and columns chosen as
+    `find_hf_splits` chooses them, but a held-out split is needed (a stream is not split here). Each split is a
+    dict of "stream" (a datasets.IterableDataset of the two columns, images undecoded), "image_column", "classes",
+    "files_name" and "source"; the training one also "num_examples" and "label_of" (an example -> its class),
+    the held-out one "labels". Classes and counts come from one pass over each label column."""
+    import datasets
+
+    splits = load_hf(data_dir, dataset_config, streaming=True)
+    train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
+    val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if val_split is not None
+                else next((name for name in VAL_SPLITS if name in splits and name != train_name), None))
+    if val_name is None:
+        raise UserError(f"{data_dir} has no held-out split ({', '.join(VAL_SPLITS)}) and --streaming does not split "
+                        f"one off; its splits: {', '.join(map(repr, splits))}. Name the one to validate with "
+                        "--val_split, or drop --streaming")
+    train, val = (splits[name] if splits[name].features else splits[name]._resolve_features()
+                  for name in (train_name, val_name))
+    image_column = _column(train, image_column, "Image", "--image_column", data_dir, train_name)
+    label_column = _column(train, label_column, "ClassLabel", "--label_column", data_dir, train_name)
+    if image_column == label_column:
+        raise UserError(f"--image_column and --label_column are both {image_column!r}: give two columns")
+    for name, split in ((train_name, train), (val_name, val)):
+        _column(split, image_column, "Image", "--image_column", data_dir, name)
+    labels, classes, named = _classes(train, label_column, data_dir, train_name)
+    if len(classes) < 2:
+        raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
+                        f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
+    val_labels = _labels_as(val, label_column, classes, data_dir, val_name)
+    source = (f"{data_dir}" + (f" (configuration {dataset_config!r})" if dataset_config else "")
+              + f": split {train_name!r} streamed ({len(labels)} examples), {val_name!r} validates; images from "
+                f"column {image_column!r}, labels from {label_column!r}"
+              + ("" if named else f" ({len(classes)} classes: its values, sorted)"))
+    index = {value: i for i, value in enumerate(classes)}
+
+    def undecoded(split):
+        return split.select_columns([image_column, label_column]).cast_column(image_column,
+                                                                              datasets.Image(decode=False))
+
+    def label_of(example):
+        value = example[label_column]
+        return value if named else index[str(value)]
+
+    common = {"image_column": image_column, "classes": classes, "source": source}
+    return ({**common, "stream": undecoded(train), "files_name": f"{data_dir}[{train_name}]",
+             "num_examples": len(labels), "label_of": label_of},
+            {**common, "stream": undecoded(val), "files_name": f"{data_dir}[{val_name}]", "labels": val_labels},
+            classes)
 
 
 def find_hf_split(data_dir, split, *, dataset_config=None, image_column=None, label_column=None):
@@ -249,7 +315,12 @@ def _labels_as(dataset, column, classes, data_dir, split):
 
 def _values(dataset, column, data_dir, split):
     """The column's values; refused where they are not classes (floats, lists, missing ones)."""
-    values = (dataset.data if dataset._indices is None else dataset.flatten_indices().data).column(column).to_pylist()
+    import datasets
+
+    if isinstance(dataset, datasets.IterableDataset):  # a stream: one pass over the label column
+        values = [example[column] for example in dataset.select_columns([column])]
+    else:
+        values = (dataset.data if dataset._indices is None else dataset.flatten_indices().data).column(column).to_pylist()
     for row, value in enumerate(values):
         if value is None or isinstance(value, bool) or not isinstance(value, (int, str)):
             shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
@@ -274,6 +345,16 @@ def save_folder_as_dataset(folder, target):
     datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
         lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
                  for file, label in zip(files, labels)), features=features).save_to_disk(target)
+
+
+def encoded(value):
+    """A file object of an Image column's undecoded value ({"bytes", "path"}: its bytes, or the file it names), or of
+    a column of encoded bytes or file paths."""
+    if value is None:
+        raise ValueError("the row has no image")
+    if isinstance(value, dict):
+        return io.BytesIO(value["bytes"]) if value.get("bytes") else open(value["path"], "rb")
+    return open(value, "rb") if isinstance(value, str) else io.BytesIO(value)
 
 
 class HFImages:
@@ -304,10 +385,7 @@ class HFImages:
 
     def encoded(self, index):
         """A file object of item `index`'s encoded image (its bytes, or the file it names)."""
-        item = self.dataset[self.rows[index]][self.column]
-        if item is None:
-            raise ValueError("the row has no image")
-        return io.BytesIO(item["bytes"]) if item.get("bytes") else open(item["path"], "rb")
+        return encoded(self.dataset[self.rows[index]][self.column])
 
     def __getstate__(self):  # to a worker: the dataset (for one read from disk, its file names), not the paths
         return {**self.__dict__, "_paths": None}

@@ -112,6 +112,7 @@ class TrainingRun:
         self.num_epochs = self.lr_scheduler = None
         self.in_epoch = False  # inside run.batches()'s loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
+        self._resumed_stream = self._sampler = None  # a streamed split's positions (common.streaming); its sampler
         self._totals = self._nonfinite = self._started = self._pace = self._loss = self._batchnorm = None
         self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
@@ -135,6 +136,7 @@ class TrainingRun:
             self.epoch, self.batch, self.step = checkpoint["epoch"], checkpoint["batch"], checkpoint["step"]
             self.best_accuracy, self._resumed_totals = checkpoint["best_accuracy"], checkpoint.get("epoch_totals")
             self.best_epoch = checkpoint.get("best_epoch", 0)
+            self._resumed_stream = checkpoint.get("stream") if self.batch else None
             accelerator.print(f"resumed from {checkpoint['path']}: epoch {self.epoch}, batch {self.batch}, "
                               f"step {self.step} of {self.total_steps}")
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -166,6 +168,10 @@ class TrainingRun:
         augmentation, Mixup and dropout draw the same on any process count. Its end looks for a nan/inf loss, before
         the epoch's evaluation, best/ and checkpoint."""
         sampler, accelerator = train_dataloader.batch_sampler, self.accelerator
+        self._sampler = sampler
+        if self._resumed_stream:  # a stream goes on where each process's share stopped
+            sampler.load_state_dict(self._resumed_stream)
+            self._resumed_stream = None
         sampler.set_epoch(self.epoch, start=self.batch)  # self.batch: global micro-batches trained in the epoch
         if hasattr(train_dataloader.dataset, "set_epoch"):  # a dataset that augments in its workers, seeded by epoch
             train_dataloader.dataset.set_epoch(self.epoch)
@@ -251,6 +257,8 @@ class TrainingRun:
         if self.in_epoch:
             name = checkpoint_name(self.epoch, self.batch)
             state = {"epoch_totals": self._global_totals(), "epoch": self.epoch, "batch": self.batch}  # global
+            if hasattr(self._sampler, "state_dict"):  # a stream's positions, one per process
+                state["stream"] = self._sampler.state_dict()
         else:  # resumed at the next epoch's start
             name, state = checkpoint_name(self.epoch), {"epoch": self.epoch + 1, "batch": 0}
         state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,

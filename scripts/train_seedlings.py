@@ -13,7 +13,9 @@ augmentation with --auto_augment and --random_erasing; --ema_decay; --patience N
 Accuracy and time: see README "Results" (only what was measured is reported there).
 
 Data (--data_dir): `DIR/<class>/<image>` (split here: stratified, --val_fraction 0.3, --seed), or
-`DIR/train/<class>/...` + `DIR/val/<class>/...` (for example written by scripts/split_dataset.py).
+`DIR/train/<class>/...` + `DIR/val/<class>/...` (for example written by scripts/split_dataset.py), or a Hugging
+Face dataset `hf:NAME_OR_PATH` (common/hf.py; with --streaming its training split is read while training,
+common/streaming.py).
 Decoded once into a cache file beside the data and augmented on the device when it takes at most 4 GB,
 else read from the files by DataLoader workers (--cache_images / --no-cache_images choose).
 Normalisation: `--mean_std FILE` from scripts/compute_mean_std.py, else ImageNet's.
@@ -49,13 +51,14 @@ from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnega
 from common.folders import (balanced_class_weights, balanced_sampling_weights, build_file_dataloader,  # noqa: E402
                             build_folder_dataset, build_train_transform, choose_cache, choose_num_workers,
                             find_splits, random_resized_crop, read_mean_std, training_cache)
-from common.hf import add_hf_args, hf_options  # noqa: E402
+from common.hf import add_hf_args, find_hf_stream, hf_options  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
 from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
 from common.run import TrainingRun, count_steps  # noqa: E402
+from common.streaming import StreamedBatches, check_resumable, decode_streamed_split  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -89,10 +92,21 @@ def parse_args(argv=None):
     parser.add_argument("--patience", type=positive_int, default=None,
                         help="stop after N epochs without a better val accuracy (default: train every epoch)")
     add_common_args(parser)
-    add_hf_args(parser)
+    add_hf_args(parser, streaming=True)
     parser.set_defaults(output_dir="outputs/seedlings", epochs=20, batch_size=32, weight_decay=0.0,
                         label_smoothing=0.1, schedule="cosine", warmup_fraction=0.0, max_grad_norm=5.0)
     return parser.parse_args(argv)
+
+
+def check_streaming(args):
+    """--streaming reads each training image once an epoch, in the order of the stream: the options that need the
+    whole split first, or a worker per image, are refused."""
+    for flag, given in (("--auto_augment", args.auto_augment != "none"), ("--sampler balanced", args.sampler != "random"),
+                        ("--class_weights balanced", args.class_weights != "none"),
+                        ("--cache_images / --no-cache_images", args.cache_images is not None)):
+        if given:
+            raise UserError(f"{flag} cannot be used with --streaming: a stream is decoded per micro-batch and "
+                            "augmented on the device, in the order it is read; drop one of them")
 
 
 def main(args):
@@ -102,17 +116,24 @@ def main(args):
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
                         f"{args.batch_size}; or turn them off with --mixup_alpha 0 --cutmix_alpha 0")
+    if args.streaming:
+        check_streaming(args)
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
                                     dist_timeout=args.dist_timeout)
+    if checkpoint and args.streaming and checkpoint["batch"]:
+        check_resumable(checkpoint.get("stream"), accelerator.num_processes)
     output_dir = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume,
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
 
     # data: files listed and split the same way on every rank, every image decoded once up front
     mean, std = read_mean_std(args.mean_std)
-    train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
-                                                           seed=args.seed, hf_options=hf_options(args))
+    if args.streaming:  # read while training: no image check, no decode cache beside the data
+        (train_split, val_split, classes), skipped = find_hf_stream(args.data_dir, **hf_options(args)), []
+    else:
+        train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
+                                                               seed=args.seed, hf_options=hf_options(args))
     model_info = describe_model(args.model, classes, image_size=(args.image_size, args.image_size),
                                 normalize=(mean, std), dataset="folder",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
@@ -120,23 +141,30 @@ def main(args):
     # decode cache, crop, flips and rotation happen on the device: the CPU only gathers each batch's rows (without
     # --auto_augment), evaluation reads its images already resized and cropped, and no worker runs
     eval_spec = model_info["eval_transform"]
-    cache_images, cache_rule = choose_cache(args.cache_images, size=eval_spec["resize"],
-                                            images=len(train_split["files"]) + len(val_split["files"]))
-    folder_dataset = partial(build_folder_dataset, skip_bad_images=args.skip_bad_images, accelerator=accelerator)
-    train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment,
-                                                                            geometry=not cache_images),
-                               cache=training_cache(eval_spec) if cache_images else None, seed=args.seed)
-    eval_set = folder_dataset(val_split, transform=None if cache_images else build_eval_transform(eval_spec),
-                              cache=eval_spec if cache_images else None)
-    for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
-                           ("unreadable val images", eval_set.left_out)):
-        if left_out:
-            accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
-    # the same micro-batches and global steps on any process count (a run resumes on another one); every batch full
-    weights = balanced_sampling_weights(train_set.labels) if args.sampler == "balanced" else None
     num_workers, workers_rule = choose_num_workers(args.num_workers)
-    train_dataloader = build_file_dataloader(train_set, num_workers=num_workers, batch_sampler=MicroBatches(
-        len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator, weights=weights))
+    if args.streaming:  # decoded per micro-batch at the cache's size and augmented on the device, as with the cache
+        cache_images, cache_rule = True, "a stream is decoded as it is read"
+        train_set = train_dataloader = StreamedBatches(
+            train_split, batch_size=args.batch_size, seed=args.seed, accelerator=accelerator,
+            cache=training_cache(eval_spec), buffer_size=args.shuffle_buffer, skip_bad_images=args.skip_bad_images)
+        eval_set = decode_streamed_split(val_split, cache=eval_spec, accelerator=accelerator)
+    else:
+        cache_images, cache_rule = choose_cache(args.cache_images, size=eval_spec["resize"],
+                                                images=len(train_split["files"]) + len(val_split["files"]))
+        folder_dataset = partial(build_folder_dataset, skip_bad_images=args.skip_bad_images, accelerator=accelerator)
+        train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment,
+                                                                                geometry=not cache_images),
+                                   cache=training_cache(eval_spec) if cache_images else None, seed=args.seed)
+        eval_set = folder_dataset(val_split, transform=None if cache_images else build_eval_transform(eval_spec),
+                                  cache=eval_spec if cache_images else None)
+        # the same micro-batches and global steps on any process count (a run resumes on another one); all full
+        weights = balanced_sampling_weights(train_set.labels) if args.sampler == "balanced" else None
+        train_dataloader = build_file_dataloader(train_set, num_workers=num_workers, batch_sampler=MicroBatches(
+            len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator, weights=weights))
+        for name, left_out in (("files that are not images", skipped), ("unreadable train images", train_set.left_out),
+                               ("unreadable val images", eval_set.left_out)):
+            if left_out:
+                accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
     eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, num_workers=num_workers)
     normalise = partial(preprocess, normalize=(mean, std), erasing=args.random_erasing)  # on the device
 
@@ -179,12 +207,15 @@ def main(args):
     run.start(checkpoint, model=model, lr_scheduler=lr_scheduler)  # resume, or set an --overwrite's old run aside
     accelerator.init_trackers("train_seedlings", config=args_to_dict(args))
     workers = [name for name, dataset in (("training", train_set), ("evaluation", eval_set))
-               if not isinstance(dataset, InMemoryDataset)]
-    accelerator.print(f"{train_split['source']}: {len(classes)} classes, {len(train_set)} train / {len(eval_set)} val "
-                      f"images, {total_steps} optimizer steps, {lr_rule}; decode cache "
-                      f"{'on' if cache_images else 'off'} ({cache_rule}); "
+               if not isinstance(dataset, (InMemoryDataset, StreamedBatches))]
+    train_images = train_split["num_examples"] if args.streaming else len(train_set)
+    accelerator.print(f"{train_split['source']}: {len(classes)} classes, {train_images} train / {len(eval_set)} val "
+                      f"images, {total_steps} optimizer steps, {lr_rule}; "
+                      + (f"streamed: each process shuffles its share among {args.shuffle_buffer} examples "
+                         f"(--shuffle_buffer) and decodes each micro-batch in {train_set.threads} threads; "
+                         if args.streaming else f"decode cache {'on' if cache_images else 'off'} ({cache_rule}); ")
                       + (f"{num_workers} loader workers per process for {' and '.join(workers)} ({workers_rule}); "
-                         if workers else "no loader workers: both sets are gathered from the cache; ")
+                         if workers else "no loader workers; ")
                       + ("SyncBatchNorm on (its statistics span the processes: a resumed run matches an uninterrupted "
                          "one only on the same process count); " if sync_bn else "SyncBatchNorm off; ")
                       + f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
@@ -219,14 +250,22 @@ def main(args):
     # the training images scored by the final model, unaugmented and cropped as evaluation crops (the cache holds
     # them uncropped): the mistakes report's suspected wrong labels
     train_scores = None
-    if args.find_label_issues:
+    if args.streaming:
+        if train_set.left_out:
+            accelerator.print(f"warning: left out {len(train_set.left_out)} unreadable images of the stream on this "
+                              f"process, e.g. {train_set.left_out[0]}")
+        if args.find_label_issues:
+            accelerator.print("no suspected wrong labels: a streamed training split is not read a second time to "
+                              "score it (evaluate.py --split on a held-out split checks labels)")
+    elif args.find_label_issues:
         scoring_set = folder_dataset(train_split, transform=None if cache_images else build_eval_transform(eval_spec),
                                      cache=training_cache(eval_spec) if cache_images else None)
         crop = partial(center_crop, output_size=[args.image_size] * 2) if cache_images else None
         train_scores = evaluate(model, accelerator.prepare(build_file_dataloader(
             scoring_set, batch_size=args.batch_size, num_workers=num_workers)), accelerator,
             transform=lambda images: eval_transform(crop(images) if crop else images))
-    run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)
+    run.finish(evaluation, eval_set=eval_set, train_scores=train_scores,
+               train_set=None if args.streaming else train_set)
 
 
 if __name__ == "__main__":

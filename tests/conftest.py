@@ -5,6 +5,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -119,6 +120,18 @@ def kill_everything(process, *strays):
         except ProcessLookupError:
             pass
     process.wait()
+
+
+def stop_inside_an_epoch(command, *, output_dir, log):
+    """Launch `command` on 2 processes (with --checkpoint_every 1, a SIGTERM is obeyed at the next step) and send
+    the launcher SIGTERM once epoch 1's checkpoint is written: the name of the checkpoint it stopped at."""
+    process = spawn(launch_command(*command), log=log)
+    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert re.fullmatch(r"epoch_00[23]_batch_\d{6}", latest), log.read_text()
+    return latest
 
 
 def wait_for(condition, process, timeout=180):

@@ -16,7 +16,8 @@ from common.errors import UserError
 from common.folders import find_splits
 from common.hf import hf_options
 from common.images import list_image_folder
-from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, run_command)
+from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, run_command,
+                      stop_inside_an_epoch)
 
 SCRIPTS = REPO / "scripts"
 
@@ -78,6 +79,49 @@ def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders
     scores = json.loads((tmp_path / "eval" / "classification_report.json").read_text())
     assert scores["macro avg"]["support"] == 26
     assert scores["accuracy"] == pytest.approx(max(record["val_accuracy"] for record in metrics), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_streamed_split_on_two_processes_stopped_by_sigterm_goes_on_where_each_stream_stopped(tmp_path, seedlings):
+    """--streaming: 64 training images in 4 parquet shards (2 whole shards a process), shuffled through a buffer of 8.
+    Stopped by SIGTERM inside epoch 2 and resumed, the run ends as the uninterrupted one, and every epoch read each
+    training image once; a resume on another process count is refused, losing nothing."""
+    files, labels, classes, _ = list_image_folder(seedlings)
+    splits = hf_dataset({"train": (files[:64], labels[:64]), "validation": (files[64:], labels[64:])}, classes=classes)
+    (tmp_path / "hf" / "data").mkdir(parents=True)
+    for shard in range(4):
+        splits["train"].shard(4, shard, contiguous=True).to_parquet(
+            tmp_path / "hf" / "data" / f"train-{shard:05d}-of-00004.parquet")
+    splits["validation"].to_parquet(tmp_path / "hf" / "data" / "validation-00000-of-00001.parquet")
+    command = [SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--streaming", "--shuffle_buffer",
+               8, "--model", "resnet18", "--image_size", 32, "--epochs", 3, "--batch_size", 4, "--mixup_prob", 1.0]
+    reference = launch(*command, "--output_dir", tmp_path / "reference")
+    assert reference.returncode == 0, reference.output
+    assert (f"hf:{tmp_path / 'hf'}: split 'train' streamed (64 examples), 'validation' validates; images from column "
+            "'img', labels from 'species': 12 classes, 64 train / 21 val images, 24 optimizer steps") in reference.output
+    assert "each process shuffles its share among 8 examples (--shuffle_buffer)" in reference.output
+
+    output_dir = tmp_path / "run"
+    command += ["--output_dir", output_dir, "--checkpoint_every", 1]  # a SIGTERM is obeyed at the next step
+    latest = stop_inside_an_epoch(command, output_dir=output_dir, log=tmp_path / "log")
+    state = json.loads((output_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert len(state["stream"]["read"]) == 2 and all(read > 0 for read in state["stream"]["read"])
+
+    one = run_command([sys.executable, *command, "--resume", "latest"])
+    assert one.returncode == 2, one.output
+    assert (f"this checkpoint stopped inside epoch {state['epoch']} of a stream read by 2 process(es), and each one's "
+            "share of a stream depends on their number: resume it on 2 process(es)") in one.output
+    assert (output_dir / "checkpoints" / "latest").read_text().strip() == latest
+
+    resumed = launch(*command, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.output
+    assert_same_outcome(output_dir, tmp_path / "reference", checkpoint="checkpoints/epoch_003_end", rel=1e-6)
+    for run in (output_dir, tmp_path / "reference"):
+        metrics, report = read_run(run)
+        assert [(record["train_samples"], record["train_unique_samples"]) for record in metrics] == [(64, 64)] * 3
+        assert all(record["train_samples_per_process"] == [32, 32] and record["val_samples"] == 21
+                   for record in metrics)
+        assert report["macro avg"]["support"] == 21
 
 
 @pytest.mark.slow
@@ -272,3 +316,26 @@ def test_a_corrupt_image_in_a_hf_dataset_is_named_by_its_row_and_file(tmp_path, 
         build_folder_dataset(split, transform=torch.nn.Identity(), skip_bad_images=False)
     kept = build_folder_dataset(split, transform=torch.nn.Identity(), skip_bad_images=True)
     assert len(kept) == len(split["files"]) - 1 and "broken.png" in str(kept.left_out[0])
+
+    # streamed (--streaming): met while training, so named by its file and place in the stream
+    from common.hf import find_hf_stream
+    from common.streaming import StreamedBatches
+
+    hf_dataset({"train": (files, labels), "validation": (files[:4], labels[:4])},
+               classes=classes).save_to_disk(tmp_path / "streamed")
+    train, _, _ = find_hf_stream(f"hf:{tmp_path / 'streamed'}")
+    one = SimpleNamespace(process_index=0, num_processes=1, gradient_accumulation_steps=1, device="cpu",
+                          gather=lambda tensor: tensor, print=print)
+
+    def stream(skip_bad_images):
+        return StreamedBatches(train, batch_size=4, seed=42, accelerator=one, cache={"resize": 32, "center_crop": 32},
+                               buffer_size=8, skip_bad_images=skip_bad_images)
+
+    with pytest.raises(UserError, match=rf"cannot read image hf:{re.escape(str(tmp_path / 'streamed'))}\[train\] "
+                                        r"broken\.png \(example \d+ as read\): .*--skip_bad_images"):
+        list(stream(False))
+    skipping = stream(True)
+    batches = list(skipping)
+    assert len(batches) == 21 and all(batch["image"].shape == (4, 3, 32, 32) for batch in batches)  # 84 good of 85
+    assert len({index for batch in batches for index in batch["index"].tolist()}) == 84
+    assert len(skipping.left_out) == 1 and "broken.png" in skipping.left_out[0]

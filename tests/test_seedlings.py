@@ -26,8 +26,7 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome, launch,
-                      launch_command,
-                      run_command, script, spawn, wait_for)
+                      launch_command, run_command, script, stop_inside_an_epoch)
 
 SCRIPTS = REPO / "scripts"
 
@@ -352,12 +351,7 @@ def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_on
     assert reference.returncode == 0, reference.output
     output_dir = tmp_path / "run"
     command += ["--output_dir", output_dir, "--checkpoint_every", 1]  # a SIGTERM is obeyed at the next step
-    process = spawn(launch_command(*command), log=tmp_path / "log")
-    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
-    assert re.fullmatch(r"epoch_00[23]_batch_\d{6}", latest), (tmp_path / "log").read_text()
+    stop_inside_an_epoch(command, output_dir=output_dir, log=tmp_path / "log")
 
     resumed = run_command([sys.executable, *command, "--resume", "latest"], env=ONE_THREAD)
     assert resumed.returncode == 0, resumed.output
