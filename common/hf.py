@@ -335,16 +335,24 @@ def _values(dataset, column, data_dir, split):
 
 def save_folder_as_dataset(folder, target):
     """A folder of class folders as a save_to_disk dataset at `target` (unless one is there): each image's bytes as
-    they are in an Image column `image`, the classes in a ClassLabel column `label` (scripts/benchmark_hf.py)."""
-    if (Path(target) / "state.json").exists():
+    they are in an Image column `image`, the classes in a ClassLabel column `label`; a split folder's train/ and
+    val/ as the splits "train" and "validation" (scripts/benchmark_hf.py, scripts/benchmark_folders.py)."""
+    if any((Path(target) / name).exists() for name in ("state.json", "dataset_dict.json")):
         return
     import datasets
 
-    files, labels, classes, _ = list_image_folder(folder)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-    datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
-        lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
-                 for file, label in zip(files, labels)), features=features).save_to_disk(target)
+    def split(part):
+        files, labels, classes, _ = list_image_folder(part)
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+        return datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
+            lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
+                     for file, label in zip(files, labels)), features=features)
+
+    parts = {"train": Path(folder) / "train", "validation": Path(folder) / "val"}
+    if all(part.is_dir() for part in parts.values()):
+        datasets.DatasetDict({name: split(part) for name, part in parts.items()}).save_to_disk(target)
+    else:
+        split(folder).save_to_disk(target)
 
 
 def encoded(value):

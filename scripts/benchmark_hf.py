@@ -3,13 +3,16 @@
     python scripts/benchmark_hf.py --data_dir data/plant-seedlings --work_dir /tmp/hf-bench -- \\
         --model resnet18 --image_size 64 --epochs 2 --batch_size 64
 
-Writes the folder's images, their encoded bytes unchanged, as a `save_to_disk` dataset (an Image and a ClassLabel
-column, kept in --work_dir), then trains on each source in turn, --repeats times, alternating: `--data_dir
-FOLDER` and `--data_dir hf:DATASET` with the flags after `--`, the same seed. Each run gives its images/s
+Splits the folder 70/30 (scripts/split_dataset.py: stratified, seed 42, as train_seedlings.py splits it) and writes
+the split's images, their encoded bytes unchanged, as a `save_to_disk` dataset (splits "train" and "validation",
+an Image and a ClassLabel column; both kept in --work_dir), then trains on each source in turn, --repeats times,
+alternating: `--data_dir SPLIT` and `--data_dir hf:DATASET` with the flags after `--`, the same seed. Each run gives its images/s
 (metrics.jsonl, all epochs), its start-up (from the launch to the first epoch's first batch: the first log line)
 and its final accuracy. The same images in the same order make the same batches: accuracy must match; the
 time is what the source costs. Once with the decode cache (the default for sets up to 4 GB) and once with
---no-cache_images (DataLoader workers decode every image, each epoch: the path where the sources differ).
+--no-cache_images (DataLoader workers decode every image, each epoch: the path where the sources differ), then
+the dataset alone with --streaming (each micro-batch decoded as the stream is read, every epoch; its order is the
+stream's, so its accuracy differs), against the folder's decode cache rows.
 """
 
 import json
@@ -54,13 +57,18 @@ def train(data_dir, output_dir, flags):
 
 def main(args):
     work = Path(args.work_dir)
-    hf_dir = work / "dataset"
-    save_folder_as_dataset(Path(args.data_dir), hf_dir)
-    sources = {"folder": Path(args.data_dir).resolve(), "hf": f"hf:{hf_dir.resolve()}"}
+    split, hf_dir = work / "split", work / "dataset"
+    if not split.is_dir():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "split_dataset.py"), args.data_dir, str(split),
+                        "--link"], check=True)
+    save_folder_as_dataset(split, hf_dir)
+    sources = {"folder": split.resolve(), "hf": f"hf:{hf_dir.resolve()}"}
     results = {}
-    for path, flags in (("decode cache", []), ("files, workers", ["--no-cache_images"])):
+    for path, flags in (("decode cache", []), ("files, workers", ["--no-cache_images"]), ("streamed", ["--streaming"])):
         for repeat in range(args.repeats):
             for source, data_dir in sources.items():
+                if path == "streamed" and source == "folder":  # a folder is not streamed: the cache's rows compare
+                    continue
                 run = train(data_dir, work / f"run-{source}", [*args.training, *flags])
                 results.setdefault((path, source), []).append(run)
                 print(json.dumps({"path": path, "source": source, "repeat": repeat, "images_per_s": round(run[0], 1),
@@ -69,7 +77,7 @@ def main(args):
     print("|---|---|---|---|---|---|")
     for (path, source), runs in results.items():
         rate = statistics.mean(run[0] for run in runs)
-        folder = statistics.mean(run[0] for run in results[(path, "folder")])
+        folder = statistics.mean(run[0] for run in results[(path if path != "streamed" else "decode cache", "folder")])
         print(f"| {path} | {source} | {rate:.1f} ({', '.join(f'{run[0]:.1f}' for run in runs)}) | "
               f"{rate / folder:.3f} | {statistics.mean(run[1] for run in runs):.1f} | "
               f"{', '.join(f'{run[2]:.2%}' for run in runs)} |")

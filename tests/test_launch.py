@@ -190,10 +190,13 @@ def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(t
     assert result.returncode == 0, result.output
     runs = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [(run["path"], run["source"]) for run in runs] == [("decode cache", "folder"), ("decode cache", "hf"),
-                                                              ("files, workers", "folder"), ("files, workers", "hf")]
-    for folder, hf in (runs[:2], runs[2:]):  # the same batches: the same accuracy
+                                                              ("files, workers", "folder"), ("files, workers", "hf"),
+                                                              ("streamed", "hf")]
+    for folder, hf in (runs[:2], runs[2:4]):  # the same batches: the same accuracy
         assert folder["val_accuracy"] == hf["val_accuracy"] and hf["images_per_s"] > 0 and hf["startup_s"] > 0
-    assert re.search(r"\| files, workers \| hf \| [\d.]+ \([\d.]+\) \| [\d.]+ \|", result.output)
+    assert runs[4]["images_per_s"] > 0 and 0 <= runs[4]["val_accuracy"] <= 1
+    for path in ("files, workers", "streamed"):
+        assert re.search(rf"\| {path} \| hf \| [\d.]+ \([\d.]+\) \| [\d.]+ \|", result.output)
 
 
 SHARED = REPO.parent / "shared"  # the peers' scripts live beside the repository, never in it
