@@ -149,7 +149,7 @@ class StreamedBatches:
             return error
 
 
-def decode_streamed_split(split, *, cache, accelerator):
+def decode_streamed_split(split, *, cache):
     """A streamed held-out split (`find_hf_stream`'s "val") decoded whole into memory at `cache`'s size, on every
     process (evaluation shares it out). An unreadable image stops it, named."""
     shrink = build_eval_transform(cache)

@@ -127,7 +127,8 @@ def main(args):
                                     inputs=[args.data_dir], accelerator=accelerator)
     set_seed(args.seed)
 
-    # data: files listed and split the same way on every rank, every image decoded once up front
+    # data: files listed and split the same way on every rank, every image decoded once up front (streamed: the
+    # held-out split at the start, the training split as it is read)
     mean, std = read_mean_std(args.mean_std)
     if args.streaming:  # read while training: no image check, no decode cache beside the data
         (train_split, val_split, classes), skipped = find_hf_stream(args.data_dir, **hf_options(args)), []
@@ -143,11 +144,11 @@ def main(args):
     eval_spec = model_info["eval_transform"]
     num_workers, workers_rule = choose_num_workers(args.num_workers)
     if args.streaming:  # decoded per micro-batch at the cache's size and augmented on the device, as with the cache
-        cache_images, cache_rule = True, "a stream is decoded as it is read"
+        cache_images = True
         train_set = train_dataloader = StreamedBatches(
             train_split, batch_size=args.batch_size, seed=args.seed, accelerator=accelerator,
             cache=training_cache(eval_spec), buffer_size=args.shuffle_buffer, skip_bad_images=args.skip_bad_images)
-        eval_set = decode_streamed_split(val_split, cache=eval_spec, accelerator=accelerator)
+        eval_set = decode_streamed_split(val_split, cache=eval_spec)
     else:
         cache_images, cache_rule = choose_cache(args.cache_images, size=eval_spec["resize"],
                                                 images=len(train_split["files"]) + len(val_split["files"]))
