@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from .errors import UserError
@@ -341,18 +342,21 @@ def save_folder_as_dataset(folder, target):
         return
     import datasets
 
-    def split(part):
+    def split(part, cache_dir):
         files, labels, classes, _ = list_image_folder(part)
         features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
         return datasets.Dataset.from_generator(  # one image at a time: 100,000 images are not all held in memory
             lambda: ({"image": {"bytes": file.read_bytes(), "path": file.name}, "label": label}
-                     for file, label in zip(files, labels)), features=features)
+                     for file, label in zip(files, labels)), features=features, cache_dir=cache_dir)
 
     parts = {"train": Path(folder) / "train", "validation": Path(folder) / "val"}
-    if all(part.is_dir() for part in parts.values()):
-        datasets.DatasetDict({name: split(part) for name, part in parts.items()}).save_to_disk(target)
-    else:
-        split(folder).save_to_disk(target)
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    # the generator's own copy goes beside `target` and is removed, not left in ~/.cache/huggingface
+    with tempfile.TemporaryDirectory(dir=Path(target).parent, prefix=".generator-") as cache_dir:
+        if all(part.is_dir() for part in parts.values()):
+            datasets.DatasetDict({name: split(part, cache_dir) for name, part in parts.items()}).save_to_disk(target)
+        else:
+            split(folder, cache_dir).save_to_disk(target)
 
 
 def encoded(value):
