@@ -216,7 +216,8 @@ def main(args):
                          f"(--shuffle_buffer) and decodes each micro-batch in {train_set.threads} threads; "
                          if args.streaming else f"decode cache {'on' if cache_images else 'off'} ({cache_rule}); ")
                       + (f"{num_workers} loader workers per process for {' and '.join(workers)} ({workers_rule}); "
-                         if workers else "no loader workers; ")
+                         if workers else "no loader workers: both sets are gathered from "
+                         f"{'the stream and memory' if args.streaming else 'the cache'}; ")
                       + ("SyncBatchNorm on (its statistics span the processes: a resumed run matches an uninterrupted "
                          "one only on the same process count); " if sync_bn else "SyncBatchNorm off; ")
                       + f"{describe_launch(accelerator, batch_size=args.batch_size, grad_accum=args.grad_accum)}")
