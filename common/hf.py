@@ -49,7 +49,7 @@ def add_hf_args(parser, *, splits=True, streaming=False):
                             help="hf: read the training split as a stream while training, never whole on the disk "
                                  "(needs a held-out split; see README)")
         parser.add_argument("--shuffle_buffer", type=positive_int, default=10000,
-                                    help="--streaming: examples each process shuffles among (default: %(default)s)")
+                            help="--streaming: examples each process shuffles among (default: %(default)s)")
 
 
 def _has_data_files(folder):
@@ -60,9 +60,8 @@ def _has_data_files(folder):
 
 def hf_options(args, data_dir=None, *, flag="--data_dir"):
     """Those of --dataset_config, --train_split, --val_split, --image_column, --label_column that the script of
-    `args` has; refused
-    when given for data (`data_dir`, else args.data_dir; given as `flag`) that is not a Hugging Face dataset: they
-    would do nothing."""
+    `args` has; refused (with --streaming) when given for data (`data_dir`, else args.data_dir; given as `flag`)
+    that is not a Hugging Face dataset: they would do nothing."""
     options = {name: getattr(args, name) for name in ("dataset_config", "train_split", "val_split", "image_column",
                                                       "label_column") if hasattr(args, name)}
     data_dir = args.data_dir if data_dir is None else data_dir
@@ -130,21 +129,12 @@ def find_hf_splits(data_dir, *, val_fraction, seed, dataset_config=None, train_s
     which splits and columns were chosen and why, for the first log line. Without a validation split, `val_fraction`
     of the training split validates (None: refused)."""
     splits = load_hf(data_dir, dataset_config)
-    train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
     given_val = val_split is not None
-    val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if given_val
-                else next((name for name in VAL_SPLITS if name in splits and name != train_name), None))
+    train_name, val_name, image_column, label_column, (labels, classes, named) = _choose(
+        splits, data_dir, train_split=train_split, val_split=val_split, image_column=image_column,
+        label_column=label_column)
     train = splits[train_name]
-    image_column = _column(train, image_column, "Image", "--image_column", data_dir, train_name)
-    label_column = _column(train, label_column, "ClassLabel", "--label_column", data_dir, train_name)
-    if image_column == label_column:
-        raise UserError(f"--image_column and --label_column are both {image_column!r}: give two columns")
-    labels, classes, named = _classes(train, label_column, data_dir, train_name)
-    if len(classes) < 2:
-        raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
-                        f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
-    how = [f"{data_dir}" + (f" (configuration {dataset_config!r})" if dataset_config else "")
-           + f": split {train_name!r} trains"]
+    how = [f"{_named(data_dir, dataset_config)}: split {train_name!r} trains"]
     if val_name is None and val_fraction is None:
         raise UserError(f"{data_dir} has no held-out split ({', '.join(VAL_SPLITS)}); its splits: "
                         f"{', '.join(map(repr, splits))}. Name the one to score with --val_split")
@@ -181,29 +171,19 @@ def find_hf_stream(data_dir, *, dataset_config=None, train_split=None, val_split
     the held-out one "labels". Classes and counts come from one pass over each label column."""
     import datasets
 
-    splits = load_hf(data_dir, dataset_config, streaming=True)
-    train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
-    val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if val_split is not None
-                else next((name for name in VAL_SPLITS if name in splits and name != train_name), None))
+    splits = {name: split if split.features else split._resolve_features()  # a format that names no features
+              for name, split in load_hf(data_dir, dataset_config, streaming=True).items()}
+    train_name, val_name, image_column, label_column, (labels, classes, named) = _choose(
+        splits, data_dir, train_split=train_split, val_split=val_split, image_column=image_column,
+        label_column=label_column)
     if val_name is None:
         raise UserError(f"{data_dir} has no held-out split ({', '.join(VAL_SPLITS)}) and --streaming does not split "
                         f"one off; its splits: {', '.join(map(repr, splits))}. Name the one to validate with "
                         "--val_split, or drop --streaming")
-    train, val = (splits[name] if splits[name].features else splits[name]._resolve_features()
-                  for name in (train_name, val_name))
-    image_column = _column(train, image_column, "Image", "--image_column", data_dir, train_name)
-    label_column = _column(train, label_column, "ClassLabel", "--label_column", data_dir, train_name)
-    if image_column == label_column:
-        raise UserError(f"--image_column and --label_column are both {image_column!r}: give two columns")
-    for name, split in ((train_name, train), (val_name, val)):
-        _column(split, image_column, "Image", "--image_column", data_dir, name)
-    labels, classes, named = _classes(train, label_column, data_dir, train_name)
-    if len(classes) < 2:
-        raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
-                        f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
+    train, val = splits[train_name], splits[val_name]
+    _column(val, image_column, "Image", "--image_column", data_dir, val_name)
     val_labels = _labels_as(val, label_column, classes, data_dir, val_name)
-    source = (f"{data_dir}" + (f" (configuration {dataset_config!r})" if dataset_config else "")
-              + f": split {train_name!r} streamed ({len(labels)} examples), {val_name!r} validates; images from "
+    source = (f"{_named(data_dir, dataset_config)}: split {train_name!r} streamed ({len(labels)} examples), {val_name!r} validates; images from "
                 f"column {image_column!r}, labels from {label_column!r}"
               + ("" if named else f" ({len(classes)} classes: its values, sorted)"))
     index = {value: i for i, value in enumerate(classes)}
@@ -250,6 +230,29 @@ def _as_split(dataset, image_column, rows, labels, classes, *, data_dir, split, 
     images = HFImages(dataset, image_column, rows, name=f"{data_dir}[{split}]")
     return {"files": images, "labels": list(labels), "classes": classes, "name": name, "root": images.folder,
             "source": source}
+
+
+def _choose(splits, data_dir, *, train_split, val_split, image_column, label_column):
+    """(training split's name, held-out split's name or None, image column, label column, (labels, classes,
+    whether the column names them)) of `splits`: found by name and type, or given; the labels checked as classes."""
+    train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
+    val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if val_split is not None
+                else next((name for name in VAL_SPLITS if name in splits and name != train_name), None))
+    train = splits[train_name]
+    image_column = _column(train, image_column, "Image", "--image_column", data_dir, train_name)
+    label_column = _column(train, label_column, "ClassLabel", "--label_column", data_dir, train_name)
+    if image_column == label_column:
+        raise UserError(f"--image_column and --label_column are both {image_column!r}: give two columns")
+    labels, classes, named = _classes(train, label_column, data_dir, train_name)
+    if len(classes) < 2:
+        raise UserError(f"{data_dir} split {train_name!r} column {label_column!r} has "
+                        f"{'one class' if classes else 'no labels'}: a classifier needs at least 2 classes")
+    return train_name, val_name, image_column, label_column, (labels, classes, named)
+
+
+def _named(data_dir, dataset_config):
+    """The dataset as the first log line names it."""
+    return f"{data_dir}" + (f" (configuration {dataset_config!r})" if dataset_config else "")
 
 
 def _split_name(splits, given, defaults, flag, data_dir):
