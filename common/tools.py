@@ -1,12 +1,15 @@
-"""What the tools (predict.py, export.py, compute_mean_std.py, benchmark.py) share: the image files they are given,
-read unlabelled, and the output file they write, checked before any work."""
+"""What the tools (predict.py, export.py, compute_mean_std.py, the benchmarks) share: the image files they are given,
+read unlabelled, the output file they write, checked before any work, and the machine a benchmark ran on."""
 
 import os
+import platform
+import re
 import sys
 from pathlib import Path
 
 import torch
 
+from .distributed import cpu_computes_bf16
 from .errors import UserError
 from .images import IMAGE_EXTENSIONS, entry_kind, read_image
 
@@ -63,3 +66,18 @@ def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False
                         "replace it")
     if not os.access(path.parent, os.W_OK):
         raise UserError(f"--output {path}: the folder {path.parent} is not writable")
+
+
+def describe_cpu(device):
+    """The CPU's model and whether it computes bf16 natively (and the GPU, if one trains): times are comparable only
+    on the same kind."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = {name: re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE) for name in ("model name", "cpu family",
+                                                                                          "model")}
+    name = fields["model name"].group(1).strip() if fields["model name"] else platform.processor() or "unknown CPU"
+    if fields["cpu family"] and fields["model"]:  # a virtual machine may call it only "AMD EPYC"
+        name += f" (family {fields['cpu family'].group(1)}, model {fields['model'].group(1)})"
+    sets = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if re.search(rf"\b{flag}\b", cpuinfo)]
+    return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "instruction_sets": sets,
+            "bf16_native": cpu_computes_bf16(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}

@@ -31,7 +31,6 @@ Ours runs cold: its image check and decode cache beside the data are removed bef
 
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -44,12 +43,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find common/ from any working directory
-from common.distributed import cpu_computes_bf16  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, positive_int, seed  # noqa: E402
 from common.images import folder_entries, read_image  # noqa: E402
 from common.outputs import check_not_inside, remove, write_atomically  # noqa: E402
-from common.tools import check_output_file  # noqa: E402
+from common.tools import check_output_file, describe_cpu  # noqa: E402
 
 TASKS = {"seedlings": {"epochs": 5, "processes": 1, "target": 0.60},
          "fashion_mnist": {"epochs": 2, "processes": 2, "target": 0.84}}
@@ -93,21 +91,6 @@ def parse_args(argv=None):
                         help="the converted data, each run's output folder and log (default: %(default)s)")
     parser.add_argument("--output", default=None, help="also write the results as JSON here")
     return parser.parse_args(argv)
-
-
-def describe_cpu(device):
-    """The CPU's model and whether it computes bf16 natively (and the GPU, if one trains): times are comparable only
-    on the same kind."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = {name: re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE) for name in ("model name", "cpu family",
-                                                                                          "model")}
-    name = fields["model name"].group(1).strip() if fields["model name"] else platform.processor() or "unknown CPU"
-    if fields["cpu family"] and fields["model"]:  # a virtual machine may call it only "AMD EPYC"
-        name += f" (family {fields['cpu family'].group(1)}, model {fields['model'].group(1)})"
-    sets = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if re.search(rf"\b{flag}\b", cpuinfo)]
-    return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "instruction_sets": sets,
-            "bf16_native": cpu_computes_bf16(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
 
 
 def prepare_seedlings(data_dir, work_dir):
