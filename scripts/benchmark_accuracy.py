@@ -14,10 +14,11 @@ script's own defaults on 2 CPU processes (accelerate_configs/cpu.yaml) with only
   seedlings      train_seedlings.py --model resnet18 --image_size 64 --lr 1e-3 --epochs 4, no pretrained weights
                  (none offline), on the 70/30 split it makes of the Plant Seedlings folder, the decode cache on
 
-The record (scripts/accuracy_record.json) holds each recipe's accuracies per precision (fp32 or bf16: a CPU with
-bf16 instructions trains in bf16). A recipe passes when its mean is within TOLERANCE of the recorded mean and no
-seed falls below the recorded lowest by more than that: a spread of a point is the draw; a recipe that blows up on
-one seed, or a mean that moved, fails, and the command exits 1. The table printed is BENCHMARKS.md's.
+The record (scripts/accuracy_record.json, or --record_file) holds each recipe's accuracies per precision (fp32, or
+bf16 where the CPU has bf16 instructions and the CPU config trains in it). A recipe passes when its mean is within
+the tolerance (2 points, or twice the recorded standard deviation if larger) of the recorded mean and no seed falls
+further below the recorded lowest: a point of spread is the draw; a recipe that blows up on one seed, or whose mean
+moved, fails, and the command exits with code 2. The table it prints is BENCHMARKS.md's.
 """
 
 import json
@@ -63,7 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--work_dir", type=path, default="outputs/benchmark_accuracy",
                         help="the runs and the CIFAR-10 subset go here (default: %(default)s)")
     parser.add_argument("--record", action="store_true",
-                        help=f"write the measured accuracies into {RECORD.relative_to(REPO)} instead of comparing")
+                        help="write the measured accuracies into --record_file instead of comparing with it")
+    parser.add_argument("--record_file", type=path, default=None,
+                        help="the recorded accuracies (default: scripts/accuracy_record.json)")
     return parser.parse_args(argv)
 
 
@@ -96,10 +99,9 @@ def train(recipe, data_dir, run_seed, output_dir):
     """One launch of the recipe on 2 processes -> (final validation accuracy, its metrics lines)."""
     script, flags = RECIPES[recipe]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               REPO / "accelerate_configs" / "cpu.yaml", REPO / "scripts" / script, "--data_dir", data_dir,
-               *flags.split(), "--seed", run_seed, "--output_dir", output_dir, "--overwrite"]
-    if recipe == "digits":
-        command.remove("--data_dir"), command.remove(data_dir)
+               REPO / "accelerate_configs" / "cpu.yaml", REPO / "scripts" / script, *flags.split(),
+               *(["--data_dir", data_dir] if data_dir else []), "--seed", run_seed, "--output_dir", output_dir,
+               "--overwrite", "--no-find_label_issues"]  # the final pass is for the report, not the accuracy
     done = subprocess.run(list(map(str, command)), cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise UserError(f"{recipe} seed {run_seed} failed (exit code {done.returncode}):\n"
@@ -113,12 +115,11 @@ def verdict(accuracies, recorded):
     if not recorded:
         return True, "no record for this precision: run with --record"
     tolerance = max(TOLERANCE, 2 * statistics.stdev(recorded) if len(recorded) > 1 else 0)
-    mean, low = statistics.mean(accuracies), min(accuracies)
-    if mean < statistics.mean(recorded) - tolerance:
-        return False, f"FAIL: the mean fell {statistics.mean(recorded) - mean:.2%} (tolerance {tolerance:.2%})"
-    if low < min(recorded) - tolerance:
-        return False, f"FAIL: a seed fell {min(recorded) - low:.2%} below the recorded lowest (tolerance {tolerance:.2%})"
-    return True, f"pass (tolerance {tolerance:.2%})"
+    fell = statistics.mean(recorded) - statistics.mean(accuracies)
+    below = min(recorded) - min(accuracies)
+    failures = [f"{what} fell {by:.2%}" for what, by in (("the mean", fell), ("the lowest seed", below))
+                if by > tolerance]
+    return not failures, f"{'FAIL: ' + ' and '.join(failures) if failures else 'pass'} (tolerance {tolerance:.2%})"
 
 
 def main(args):
@@ -137,7 +138,12 @@ def main(args):
     cpu = describe_cpu("cpu")
     print(f"{cpu['cpu']}, {cpu['cores']} cores, {' '.join(cpu['instruction_sets'])}: 2 processes in {precision}; "
           f"torch {cpu['torch']}; seeds {' '.join(map(str, args.seeds))}", flush=True)
-    record = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    record_file = Path(args.record_file or RECORD)
+    try:
+        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{record_file} is not a record of this benchmark ({error}): pass another --record_file, "
+                        "or remove it and run with --record") from None
     rows, failed = [], []
     for recipe in recipes:
         accuracies, seconds = [], []
@@ -159,7 +165,7 @@ def main(args):
         if args.record:
             record.setdefault(recipe, {})[precision] = {
                 "accuracies": accuracies, "seeds": args.seeds, "cpu": cpu["cpu"], "date": time.strftime("%Y-%m-%d")}
-            write_atomically(RECORD, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
+            write_atomically(record_file, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
     print(f"\n| recipe | precision | accuracy, seeds {' / '.join(map(str, args.seeds))} | mean +- sd | recorded mean "
           "(range) | s per run | verdict |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     if failed:

@@ -2,8 +2,11 @@
 default seed recovers (scripts/benchmark_accuracy.py guards the accuracy itself, on a real budget)."""
 
 import json
+import sys
 
-from conftest import FIXTURES, load_script
+import pytest
+
+from conftest import FIXTURES, REPO, load_script, run_command, script
 
 
 def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path):
@@ -18,3 +21,48 @@ def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path):
     assert len(losses) == 5
     assert max(losses[1:]) <= losses[0] + 0.05, losses  # ln(10) = 2.30 and a little at the start
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.slow
+def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path):
+    """The guard on its cheapest recipe (the digits demo, one seed): --record writes what it measured; a record a
+    few points above what the recipe reaches (a change that lost accuracy) fails by name with exit code 2."""
+    record_file, work = tmp_path / "record.json", tmp_path / "work"
+    guard = [REPO / "scripts" / "benchmark_accuracy.py", "digits", "--seeds", "42", "--work_dir", work,
+             "--record_file", record_file]
+    result = run_command([sys.executable, *guard, "--record"])
+    assert result.returncode == 0, result.output
+    (precision, recorded), = json.loads(record_file.read_text())["digits"].items()
+    metrics = [json.loads(line) for line in (work / "runs" / "digits" / "seed42" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 20 and recorded["accuracies"] == [metrics[-1]["val_accuracy"]] and recorded["seeds"] == [42]
+    assert metrics[-1]["val_accuracy"] > 0.9
+    assert f"| digits | {precision} | {metrics[-1]['val_accuracy']:.2%} |" in result.output
+
+    recorded["accuracies"] = [metrics[-1]["val_accuracy"] + 0.05]
+    record_file.write_text(json.dumps({"digits": {precision: recorded}}))
+    result = run_command([sys.executable, *guard])
+    assert result.returncode == 2, result.output
+    assert "FAIL: the mean fell 5.00% and the lowest seed fell 5.00% (tolerance 2.00%)" in result.output
+    assert "accuracy guard failed for digits" in result.output and "Traceback" not in result.output
+
+
+def test_accuracy_guard_verdicts():
+    verdict = load_script("benchmark_accuracy.py").verdict
+    assert verdict([0.50, 0.51, 0.49], [0.50, 0.50, 0.51])[0]
+    assert verdict([0.49], [0.50, 0.51])[0]  # within 2 points
+    passed, why = verdict([0.52, 0.51, 0.31], [0.50, 0.51, 0.49])  # one seed blew up
+    assert not passed and why == "FAIL: the mean fell 5.33% and the lowest seed fell 18.00% (tolerance 2.00%)"
+    assert verdict([0.465, 0.50, 0.55], [0.50, 0.51, 0.49]) == (False, "FAIL: the lowest seed fell 2.50% (tolerance 2.00%)")
+    assert not verdict([0.45, 0.46], [0.50, 0.51])[0]
+    assert verdict([0.40], [0.30, 0.50])[0]  # a recipe with a wide recorded spread: twice its deviation
+    assert verdict([0.5], None) == (True, "no record for this precision: run with --record")
+
+
+def test_accuracy_guard_refuses_missing_data_and_a_foreign_record(tmp_path):
+    result = script("benchmark_accuracy.py", "cifar10", "--cifar_dir", tmp_path / "nowhere", "--work_dir", tmp_path)
+    assert result.returncode != 0 and f"{tmp_path / 'nowhere'} not found: the cifar10 recipe's data" in result.output
+    (tmp_path / "record.json").write_text("not json")
+    result = script("benchmark_accuracy.py", "digits", "--record_file", tmp_path / "record.json", "--work_dir",
+                    tmp_path / "work")
+    assert result.returncode != 0 and "record.json is not a record of this benchmark" in result.output
+    assert "Traceback" not in result.output
