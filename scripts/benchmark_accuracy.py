@@ -96,7 +96,7 @@ def cifar_subset(cifar_dir, work_dir):
 
 
 def train(recipe, data_dir, run_seed, output_dir):
-    """One launch of the recipe on 2 processes -> (final validation accuracy, its metrics lines)."""
+    """One launch of the recipe on 2 processes -> its final validation accuracy."""
     script, flags = RECIPES[recipe]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                REPO / "accelerate_configs" / "cpu.yaml", REPO / "scripts" / script, *flags.split(),
@@ -106,8 +106,7 @@ def train(recipe, data_dir, run_seed, output_dir):
     if done.returncode:
         raise UserError(f"{recipe} seed {run_seed} failed (exit code {done.returncode}):\n"
                         + "\n".join((done.stdout + done.stderr).splitlines()[-15:]))
-    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return metrics[-1]["val_accuracy"], metrics
+    return json.loads((output_dir / "metrics.jsonl").read_text().splitlines()[-1])["val_accuracy"]
 
 
 def verdict(accuracies, recorded):
@@ -128,9 +127,22 @@ def main(args):
     check_not_inside(work_dir, [args.cifar_dir, args.seedlings_dir], flag="--work_dir")
     data = {"cifar10": args.cifar_dir, "fashion_mnist": args.fashion_dir, "digits": None,
             "seedlings": args.seedlings_dir}
+    where = {"cifar10": "--cifar_dir: the shared archive's JPEGs, extracted", "seedlings": "--seedlings_dir",
+             "fashion_mnist": "--fashion_dir; `apt-get install dataset-fashion-mnist` puts it at the default"}
     for recipe in recipes:
         if data[recipe] and not Path(data[recipe]).is_dir():
-            raise UserError(f"{data[recipe]} not found: the {recipe} recipe's data (see --help for its flag)")
+            raise UserError(f"{data[recipe]} not found: the {recipe} recipe's data ({where[recipe]}), or leave the "
+                            "recipe out by naming the others")
+    record_file = Path(args.record_file or RECORD)
+    try:
+        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise UserError(f"{record_file} is not a record of this benchmark ({error}): pass another --record_file, "
+                        "or remove it and run with --record") from None
+    if work_dir.exists() and not work_dir.is_dir():
+        raise UserError(f"--work_dir {work_dir} is a file: choose a folder (it is created if missing)")
     work_dir.mkdir(parents=True, exist_ok=True)
     if "cifar10" in recipes:
         data["cifar10"] = cifar_subset(args.cifar_dir, work_dir)
@@ -138,18 +150,12 @@ def main(args):
     cpu = describe_cpu("cpu")
     print(f"{cpu['cpu']}, {cpu['cores']} cores, {' '.join(cpu['instruction_sets'])}: 2 processes in {precision}; "
           f"torch {cpu['torch']}; seeds {' '.join(map(str, args.seeds))}", flush=True)
-    record_file = Path(args.record_file or RECORD)
-    try:
-        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"{record_file} is not a record of this benchmark ({error}): pass another --record_file, "
-                        "or remove it and run with --record") from None
     rows, failed = [], []
     for recipe in recipes:
         accuracies, seconds = [], []
         for run_seed in args.seeds:
             start = time.perf_counter()
-            accuracy, _ = train(recipe, data[recipe], run_seed, work_dir / "runs" / recipe / f"seed{run_seed}")
+            accuracy = train(recipe, data[recipe], run_seed, work_dir / "runs" / recipe / f"seed{run_seed}")
             accuracies.append(accuracy)
             seconds.append(time.perf_counter() - start)
             print(f"{recipe} seed {run_seed}: {accuracy:.2%} in {seconds[-1]:.0f} s", flush=True)

@@ -61,8 +61,9 @@ def test_accuracy_guard_verdicts():
 def test_accuracy_guard_refuses_missing_data_and_a_foreign_record(tmp_path):
     result = script("benchmark_accuracy.py", "cifar10", "--cifar_dir", tmp_path / "nowhere", "--work_dir", tmp_path)
     assert result.returncode != 0 and f"{tmp_path / 'nowhere'} not found: the cifar10 recipe's data" in result.output
-    (tmp_path / "record.json").write_text("not json")
-    result = script("benchmark_accuracy.py", "digits", "--record_file", tmp_path / "record.json", "--work_dir",
-                    tmp_path / "work")
-    assert result.returncode != 0 and "record.json is not a record of this benchmark" in result.output
-    assert "Traceback" not in result.output
+    for foreign in ("not json", "[1, 2]"):
+        (tmp_path / "record.json").write_text(foreign)
+        result = script("benchmark_accuracy.py", "digits", "--record_file", tmp_path / "record.json", "--work_dir",
+                        tmp_path / "work")
+        assert result.returncode == 2 and "record.json is not a record of this benchmark" in result.output
+        assert "Traceback" not in result.output and not (tmp_path / "work" / "runs").exists()
