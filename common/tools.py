@@ -4,6 +4,7 @@ read unlabelled, the output file they write, checked before any work, and the ma
 import os
 import platform
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -81,3 +82,10 @@ def describe_cpu(device):
     return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "instruction_sets": sets,
             "bf16_native": cpu_computes_bf16(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
+
+
+def link_or_copy(source, target):
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem
+        shutil.copy2(source, target)

@@ -22,7 +22,6 @@ moved, fails, and the command exits with code 2. The table it prints is BENCHMAR
 """
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, path, seed  # noqa: E402
 from common.images import folder_entries  # noqa: E402
 from common.outputs import check_not_inside, write_atomically  # noqa: E402
-from common.tools import describe_cpu  # noqa: E402
+from common.tools import describe_cpu, link_or_copy  # noqa: E402
 
 RECORD = REPO / "scripts" / "accuracy_record.json"
 TOLERANCE = 0.02  # or twice the recorded standard deviation, whichever is larger
@@ -89,7 +88,7 @@ def cifar_subset(cifar_dir, work_dir):
             for part, names in (("train", files[:CIFAR_SUBSET[0]]), ("test", files[-CIFAR_SUBSET[1]:])):
                 (tmp / part / label).mkdir(parents=True)
                 for name in names:
-                    os.link(source / label / name, tmp / part / label / name)
+                    link_or_copy(source / label / name, tmp / part / label / name)
 
     write_atomically(target, write)
     return target
@@ -102,7 +101,7 @@ def train(recipe, data_dir, run_seed, output_dir):
                REPO / "accelerate_configs" / "cpu.yaml", REPO / "scripts" / script, *flags.split(),
                *(["--data_dir", data_dir] if data_dir else []), "--seed", run_seed, "--output_dir", output_dir,
                "--overwrite", "--no-find_label_issues"]  # the final pass is for the report, not the accuracy
-    done = subprocess.run(list(map(str, command)), cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(list(map(str, command)), capture_output=True, text=True)  # relative paths: the caller's
     if done.returncode:
         raise UserError(f"{recipe} seed {run_seed} failed (exit code {done.returncode}):\n"
                         + "\n".join((done.stdout + done.stderr).splitlines()[-15:]))

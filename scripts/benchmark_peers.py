@@ -47,7 +47,7 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, positive_int, seed  # noqa: E402
 from common.images import folder_entries, read_image  # noqa: E402
 from common.outputs import check_not_inside, remove, write_atomically  # noqa: E402
-from common.tools import check_output_file, describe_cpu  # noqa: E402
+from common.tools import check_output_file, describe_cpu, link_or_copy  # noqa: E402
 
 TASKS = {"seedlings": {"epochs": 5, "processes": 1, "target": 0.60},
          "fashion_mnist": {"epochs": 2, "processes": 2, "target": 0.84}}
@@ -121,13 +121,6 @@ def prepare_seedlings(data_dir, work_dir):
         write_atomically(flat, write)
         source.write_text(str(Path(data_dir).resolve()))
     return split, flat
-
-
-def link_or_copy(source, target):
-    try:
-        os.link(source, target)
-    except OSError:  # another filesystem
-        shutil.copy2(source, target)
 
 
 def commands(args, *, epochs, processes, run_seed, run_dir, data):
