@@ -29,7 +29,7 @@ browser:
 		&& $(SUDO) apt-get install -y -qq chromium-headless-shell || $(SUDO) apt-get install -y -qq chromium; }
 
 test: setup $(FASHION_MNIST) browser
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest --durations=15
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -m "not slow"
