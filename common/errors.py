@@ -26,7 +26,8 @@ class Interrupted(Exception):
 
 # At exit the interpreter's last collections walk every object that torch, scikit-learn and matplotlib made: 2-3 s
 # of a 2-process launch's teardown on 2 cores. Frozen, they are skipped; the process ends, so what they would have
-# freed goes back with it (a __del__ of an object in a reference cycle is then not run: ours hold none).
+# freed goes back with it. What must happen at exit is an atexit handler (the run folder's lock, unlock_output_dirs),
+# not a __del__: a __del__ of an object left in a reference cycle is not run once frozen.
 atexit.register(gc.freeze)
 
 # what gloo and NCCL say when a collective's peer is gone or silent (the error must also come from the process group)

@@ -85,6 +85,7 @@ def describe_cpu(device):
 
 
 def link_or_copy(source, target):
+    """A hard link where the filesystem allows one, else a copy (a `copy_function` for shutil.copytree)."""
     try:
         os.link(source, target)
     except OSError:  # another filesystem
