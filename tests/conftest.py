@@ -3,6 +3,7 @@
 import contextlib
 import gzip
 import importlib.util
+import io
 import json
 import os
 import re
@@ -10,7 +11,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+import warnings
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -66,8 +70,62 @@ def run_command(command, *, cwd=None, env=None, timeout=600):
 
 
 def script(name, *args):
-    """scripts/NAME run with this Python, one process, captured."""
-    return run_command([sys.executable, REPO / "scripts" / name, *args])
+    """`python scripts/NAME ARGS` as one process would run it, but in this process: its main under run_main, what it
+    and its DataLoader workers write to stdout and stderr captured (Python's and the C libraries'), SystemExit as the
+    exit code, an uncaught exception as exit code 1 with its traceback; then the state a run leaves in its process
+    (Accelerate's, the SIGTERM handler, the run folder's lock, torch's thread count) put back. It saves each call an
+    interpreter with torch, scikit-learn and cleanlab to start (6-8 s on a 2-core CPU). Where a process is the point
+    (signals, a launcher, an environment), the tests start one: `run_command` or `launch`."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from common import run
+    from common.errors import run_main
+    from common.outputs import unlock_output_dirs
+
+    module = load_script(name)
+    argv, saved = [str(REPO / "scripts" / name), *map(str, args)], (sys.argv, sys.stdout, sys.stderr,
+                                                                     signal.getsignal(signal.SIGTERM))
+    threads, code = torch.get_num_threads(), 0
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved[1].flush(), saved[2].flush()
+        kept = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        # unbuffered, onto the descriptors: a forked worker's lines land in the same files
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
+                                  for fd in (1, 2))
+        sys.argv = argv
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # pytest would keep them: on stderr, as a process
+                warnings.simplefilter("always")
+                try:
+                    run_main(module.main, module.parse_args(argv[1:]))
+                finally:
+                    for warning in caught:
+                        print(warnings.formatwarning(warning.message, warning.category, warning.filename,
+                                                     warning.lineno), end="", file=sys.stderr)
+        except SystemExit as stop:  # sys.exit(None | int | message), as the interpreter ends
+            if stop.code is None or isinstance(stop.code, int):
+                code = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+                code = 1
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            os.dup2(kept[0], 1), os.dup2(kept[1], 2)
+            os.close(kept[0]), os.close(kept[1])
+            sys.argv, sys.stdout, sys.stderr = saved[:3]
+            signal.signal(signal.SIGTERM, saved[3])
+            run._signals_received.clear()
+            unlock_output_dirs()
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            torch.set_num_threads(threads)
+        out.seek(0), err.seek(0)
+        result = subprocess.CompletedProcess(argv, code, *(f.read().decode(errors="replace") for f in (out, err)))
+    result.output = result.stdout + result.stderr
+    return result
 
 
 def load_script(name):

@@ -18,6 +18,7 @@ from common.checkpoint import restore_args
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
                       launch_command, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
+from conftest import script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
@@ -30,6 +31,8 @@ def train_command(*args, processes, script=MNIST):
 
 
 def train(*args, processes=1, script=MNIST, env=None):
+    if processes == 1 and env is None:
+        return run_script(script.name, *args)
     return run_command(train_command(*args, processes=processes, script=script), env=env)
 
 

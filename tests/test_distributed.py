@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from common.mnist import build_digits
 from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
                       descendants, kill_everything, launch_command, read_run, run_command, spawn, wait_for,
-                      worker_pid)
+                      script, worker_pid)
 
 pytestmark = pytest.mark.slow
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -396,8 +396,8 @@ def test_a_lost_peer_is_said_in_one_line_whichever_collective_noticed_it(tmp_pat
 
 def test_a_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     output_dir = tmp_path / "run"
-    result = run_command([sys.executable, MNIST, "--dataset", "digits", "--epochs", 3, "--lr", 1e6,
-                          "--checkpoint_every", 2, "--keep_checkpoints", 100, "--output_dir", output_dir])
+    result = script(MNIST.name, "--dataset", "digits", "--epochs", 3, "--lr", 1e6, "--checkpoint_every", 2,
+                    "--keep_checkpoints", 100, "--output_dir", output_dir)
     assert result.returncode == 2, result.output
     found = re.search(r"error: the loss became nan or inf at optimizer step (\d+) \(epoch 1\); training stopped "
                       r"there and saved nothing after it", result.output)
@@ -415,7 +415,7 @@ def test_a_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
 # ---- configuration mistakes ----
 
 def test_fp16_on_a_cpu_is_refused(tmp_path):
-    result = run_command([sys.executable, MNIST, *DIGITS, "--mixed_precision", "fp16", "--output_dir", tmp_path])
+    result = script(MNIST.name, *DIGITS, "--mixed_precision", "fp16", "--output_dir", tmp_path)
     assert result.returncode == 2
     assert "error: mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so" in result.output
     assert "Traceback" not in result.output

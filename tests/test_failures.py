@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from common.reporting import read_metrics
-from conftest import (REPO, descendants, fill, kill_everything, launch_command, run_command, small_disk, spawn,
-                      wait_for, worker_pid)
+from conftest import (REPO, descendants, fill, kill_everything, launch_command, run_command, script, small_disk,
+                      spawn, wait_for, worker_pid)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
@@ -219,7 +219,7 @@ def test_predict_evaluate_and_compute_mean_std_on_a_full_disk_say_so_and_write_n
                                                                "--output_dir", disk / "eval"],
                  disk / "mean_std.json": ["compute_mean_std.py", images, "--output", disk / "mean_std.json"]}
         for output, command in tools.items():
-            result = run_command([sys.executable, REPO / "scripts" / command[0], *command[1:]])
+            result = script(*command)
             assert result.returncode == 2, result.output
             assert f"error: cannot write {output}: No space left on device" in result.output, result.output
             assert "Traceback" not in result.output

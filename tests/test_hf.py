@@ -4,7 +4,6 @@ as `save_to_disk` folders and parquet files; trained on as their folders are, wi
 import csv
 import json
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,8 +15,7 @@ from common.errors import UserError
 from common.folders import find_splits
 from common.hf import hf_options
 from common.images import list_image_folder
-from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, run_command,
-                      stop_inside_an_epoch)
+from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, script, stop_inside_an_epoch)
 
 SCRIPTS = REPO / "scripts"
 
@@ -46,7 +44,7 @@ def folder_splits(root, names):
 def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders_and_evaluate(tmp_path, seedlings):
     """The same images in the same order: the same batches, weights, accuracy, each validation image once."""
     split = tmp_path / "split"
-    assert run_command([sys.executable, SCRIPTS / "split_dataset.py", seedlings, split]).returncode == 0
+    assert script("split_dataset.py", seedlings, split).returncode == 0
     splits, classes = folder_splits(split, {"train": "train", "validation": "val"})
     hf_dataset(splits, classes=classes).save_to_disk(tmp_path / "hf")
     common = ["--model", "resnet18", "--image_size", 32, "--epochs", 2, "--batch_size", 4]
@@ -107,7 +105,7 @@ def test_a_streamed_split_on_two_processes_stopped_by_sigterm_goes_on_where_each
     state = json.loads((output_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert len(state["stream"]["read"]) == 2 and all(read > 0 for read in state["stream"]["read"])
 
-    one = run_command([sys.executable, *command, "--resume", "latest"])
+    one = script(command[0].name, *command[1:], "--resume", "latest")
     assert one.returncode == 2, one.output
     assert (f"this checkpoint stopped inside epoch {state['epoch']} of a stream read by 2 process(es), and each one's "
             "share of a stream depends on their number: resume it on 2 process(es)") in one.output
@@ -156,8 +154,8 @@ def test_fashion_mnist_as_parquet_files_through_train_mnist_as_its_idx_files(tmp
     assert "checked 2001 images on 2 process(es) (1001 + 1000)" in hf.output  # decoded by both, each its share
     assert_same_outcome(tmp_path / "run", tmp_path / "idx", checkpoint="checkpoints/epoch_001_end", rel=1e-6)
     # evaluate.py decodes the split it is named as training decoded it: best/'s own accuracy
-    evaluated = run_command([sys.executable, SCRIPTS / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir",
-                             f"hf:{tmp_path / 'hub'}", "--split", "test", "--output_dir", tmp_path / "eval"])
+    evaluated = script("evaluate.py", "--model_dir", tmp_path / "run", "--data_dir", f"hf:{tmp_path / 'hub'}", "--split",
+                       "test", "--output_dir", tmp_path / "eval")
     assert evaluated.returncode == 0, evaluated.output
     scores = json.loads((tmp_path / "eval" / "classification_report.json").read_text())
     assert scores["macro avg"]["support"] == 1001
@@ -181,7 +179,7 @@ def test_one_split_of_parquet_with_string_labels_and_named_columns_is_split_as_a
     data_dir = f"hf:parquet:{tmp_path / 'parquet' / '*.parquet'}"
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--model",
                "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 4, "--no-find_label_issues"]
-    refused = run_command([sys.executable, *command])
+    refused = script(command[0].name, *command[1:])
     assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
     assert (f"error: {data_dir} split 'train' has more than one Image column (photo (Image), plant (Value), mask "
             "(Image)): name the images with --image_column") in refused.output
@@ -286,8 +284,8 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
                                        hf_options={"dataset_config": config})
         assert (len(train["files"]), len(val["files"])) == sizes
         assert f"(configuration {config!r})" in train["source"]
-    result = run_command([sys.executable, SCRIPTS / "compute_mean_std.py", f"hf:{configs}", "--dataset_config", "big",
-                          "--split", "test", "--output", tmp_path / "mean_std.json"])
+    result = script("compute_mean_std.py", f"hf:{configs}", "--dataset_config", "big", "--split", "test", "--output",
+                    tmp_path / "mean_std.json")
     assert result.returncode == 0, result.output
     assert len(json.loads((tmp_path / "mean_std.json").read_text())["mean"]) == 3
 

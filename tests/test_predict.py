@@ -3,13 +3,12 @@ predict.py) -> the same predictions."""
 
 import csv
 import json
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, launch, run_command
+from conftest import REPO, launch, script
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +23,7 @@ def write_test_pngs(folder):
 
 
 def predict(*args):
-    return run_command([sys.executable, REPO / "scripts" / "predict.py", *args])
+    return script("predict.py", *args)
 
 
 def test_predict_matches_the_best_epochs_evaluation_image_by_image(digits_run, tmp_path):
@@ -95,7 +94,7 @@ def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp
 
 
 def export(*args):
-    return run_command([sys.executable, REPO / "scripts" / "export.py", *args])
+    return script("export.py", *args)
 
 
 def test_an_onnx_export_predicts_the_same_top_1_as_pytorch_on_the_digits_test_images(digits_run, tmp_path):
