@@ -3,7 +3,8 @@
     python scripts/benchmark_folders.py --sizes 1000,10000,100000 --work_dir /tmp/folder-growth
 
 For each size it writes a folder of that many small JPEGs (10 classes, --image_px, generated here, kept in
---work_dir for the next run), then for 1 and 2 processes (`accelerate launch`, accelerate_configs/cpu.yaml)
+--work_dir for the next run), then for each process count of --processes (1 and 2 by default; `accelerate
+launch`, accelerate_configs/cpu.yaml)
 builds the seedlings training set as train_seedlings.py does, without and with --cache_images, twice each:
 a cold start (no check record, no decoded cache) and a warm one (both read back). Each process reports its
 start-up time and the CPU time it spent on it, and, with the cache, once the set is built and its cache
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=sizes, default="1000,10000",
                         help="dataset sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--processes", type=sizes, default="1,2",
+                        help="process counts to launch, comma-separated (default: %(default)s)")
     parser.add_argument("--work_dir", default="/tmp/folder-growth", help="where the generated folders go")
     parser.add_argument("--image_px", type=positive_int, default=64, help="generated image side (default: %(default)s)")
     parser.add_argument("--image_size", type=positive_int, default=48, help="training crop (default: %(default)s)")
@@ -60,7 +63,7 @@ def sizes(text):
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give sizes as positive whole numbers, e.g. 1000,10000")
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive whole numbers, comma-separated, e.g. 1000,10000")
     return values
 
 
@@ -201,7 +204,7 @@ def main(args):
                   f"({time.perf_counter() - start:.0f} s to write)", flush=True)
             sources["hf"] = (f"hf:{folder.with_name(f'hf_{size}')}", folder.with_name(f"hf_{size}"))
         for source, (data_dir, records) in sources.items():
-            for processes in (1, 2):
+            for processes in args.processes:
                 row = {"images": size, "source": source, "processes": processes}
                 for cache in (False, True):
                     for stale in records.glob(".checked-*"):

@@ -1,6 +1,7 @@
 """Real `accelerate launch` runs on CPU: two processes share the work, evaluation counts each sample once."""
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import (FASHION_MNIST, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
-                      launch, read_run, require, run_command)
+                      launch, load_script, read_run, require, run_command, script)
 
 pytestmark = pytest.mark.slow
 
@@ -123,14 +124,14 @@ def test_process_count_mismatch_is_refused(tmp_path):
 
 
 def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_path):
-    train = [sys.executable, REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--epochs", 1,
-             "--output_dir", tmp_path / "run", "--report_to", "tensorboard"]
-    first = run_command(train, env={"HF_HUB_OFFLINE": "1"})
+    train = ["--dataset", "digits", "--epochs", 1, "--output_dir", tmp_path / "run", "--report_to", "tensorboard"]
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # the session's (conftest): offline
+    first = script("train_mnist.py", *train)
     assert first.returncode == 0, first.output
     assert list((tmp_path / "run").glob("logs/train_mnist/events.out.tfevents.*"))
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
 
-    again = run_command(train)
+    again = script("train_mnist.py", *train)
     assert again.returncode == 2
     assert "already holds a run" in again.output and "--resume latest" in again.output
     assert "--overwrite" in again.output and "Traceback" not in again.output
@@ -138,7 +139,7 @@ def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_
     assert (tmp_path / "run" / "checkpoints" / "epoch_001_end" / "model.safetensors").exists()
     assert (tmp_path / "run" / "best" / "model.safetensors").exists()
 
-    overwritten = run_command(train + ["--overwrite"])
+    overwritten = script("train_mnist.py", *train, "--overwrite")
     assert overwritten.returncode == 0, overwritten.output
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
     # the old run's tracker logs went aside with it, and were removed at the new run's first checkpoint
@@ -162,20 +163,22 @@ def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
                                                          / statistics.median(bench["data_seed"]))
 
 
-def test_folder_benchmark_measures_start_up_and_memory_on_1_and_2_processes(tmp_path):
-    """Of a folder and (--hf) of the same images as a Hugging Face dataset."""
+def test_folder_benchmark_measures_start_up_and_memory_on_2_processes(tmp_path):
+    """Of a folder and (--hf) of the same images as a Hugging Face dataset; 2 processes, where the measurements are
+    per process (the default, 1 and 2, launches the same code once more with one)."""
+    assert load_script("benchmark_folders.py").parse_args([]).processes == [1, 2]
     result = run_command([sys.executable, REPO / "scripts" / "benchmark_folders.py", "--sizes", 120, "--batches", 2,
-                          "--work_dir", tmp_path, "--hf"])
+                          "--processes", 2, "--work_dir", tmp_path, "--hf"])
     assert result.returncode == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [(row["source"], row.get("processes")) for row in rows] == [
-        ("folder", 1), ("folder", 2), ("folder", None), ("hf", 1), ("hf", 2), ("hf", None)]
-    for row in rows[:2] + rows[3:5]:  # start-ups of both paths, CPU time, RSS and PSS for every process, from /proc
+        ("folder", 2), ("folder", None), ("hf", 2), ("hf", None)]
+    for row in rows[0], rows[2]:  # start-ups of both paths, CPU time, RSS and PSS for every process, from /proc
         for path in ("files", "cache"):
             assert row[f"{path}_cold_startup_s"] > 0 and row[f"{path}_warm_startup_s"] > 0
             assert len(row[f"{path}_cold_cpu_s_per_process"]) == row["processes"]
         assert len(row["pss_mb_per_process"]) == row["processes"] and min(row["pss_mb_per_process"]) > 0
-    for row in rows[2], rows[5]:
+    for row in rows[1], rows[3]:
         assert set(row["images_per_s_per_core"]) == {"files_pil_worker", "cache_device", "cache_cpu_share",
                                                      "seed_pipeline"}
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
