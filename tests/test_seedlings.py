@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from common.errors import UserError
 from common.decode_cache import check_images
@@ -26,7 +26,7 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome, launch,
-                      launch_command, run_command, script, stop_inside_an_epoch)
+                      launch_command, read_run, run_command, script, stop_inside_an_epoch)
 
 SCRIPTS = REPO / "scripts"
 
@@ -344,7 +344,8 @@ def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_on
         tmp_path, seedlings):
     """The decode cache's path with Mixup/CutMix on every batch and an EMA: augmentation and mixing are drawn per
     micro-batch from (seed, epoch, micro-batch), so 2 x 1 stopped by SIGTERM inside an epoch and continued as 1 x 2
-    ends as the uninterrupted 2 x 1 run: weights, EMA weights, optimizer, metrics and predictions."""
+    ends as the uninterrupted 2 x 1 run: weights, EMA weights, optimizer, metrics and predictions. The EMA is
+    evaluated beside the model each epoch, and best/ holds the better of the two."""
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18", "--image_size", 32,
                "--epochs", 3, "--batch_size", 4, "--cache_images", "--mixup_prob", 1.0, "--ema_decay", 0.9]
     reference = launch(*command, "--output_dir", tmp_path / "reference")
@@ -359,6 +360,19 @@ def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_on
     assert_same_outcome(output_dir, tmp_path / "reference", checkpoint="checkpoints/epoch_003_end", rel=ACROSS_COUNTS,
                         per_process=False)
     assert (output_dir / "checkpoints" / "epoch_003_end" / "model_1.safetensors").exists()  # the EMA was compared
+
+    records, _ = read_run(tmp_path / "reference")
+    assert all({"ema_val_accuracy", "ema_val_loss", "ema_val_macro_f1"} <= record.keys() for record in records)
+    ema = load_file(tmp_path / "reference" / "checkpoints" / "epoch_003_end" / "model_1.safetensors")
+    model = load_file(tmp_path / "reference" / "checkpoints" / "epoch_003_end" / "model.safetensors")
+    assert set(ema) == {f"module.{name}" for name in model}  # timm's ModelEmaV3 around a copy of the model
+    assert any(not torch.equal(ema[f"module.{name}"], model[name]) for name in model)  # an average, not a copy
+    meta = json.loads((tmp_path / "reference" / "best" / "meta.json").read_text())
+    best = (-1.0, None)
+    for record in records:  # the order save_best sees them in: each epoch the model, then its EMA
+        for accuracy, weights in ((record["val_accuracy"], "model"), (record["ema_val_accuracy"], "ema")):
+            best = (accuracy, weights) if accuracy > best[0] else best
+    assert meta["weights"] == best[1] and meta["value"] == pytest.approx(best[0])
 
 
 def test_class_balanced_draw_and_weights():
