@@ -14,7 +14,6 @@ def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path, cifar_jpeg
     warm-up squeezed into 10 steps on 151 real images. The loss must only come down: before the residual blocks
     started as the identity, seed 42 rose to 3.5 in the second epoch of two steps (a mean of 4-9 at the
     full budget's steps 12-17), and where a run landed depended on the draw."""
-    # its own process: a run in this one would leave its Accelerator state and SIGTERM handler to the other tests
     result = script("train_cifar.py", "--data_dir", cifar_jpegs, "--batch_size", 64, "--epochs", 5,
                     "--output_dir", tmp_path / "run")
     assert result.returncode == 0, result.output
