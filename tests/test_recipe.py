@@ -122,11 +122,13 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
 
 def test_seedlings_cached_images_augmented_on_the_device_resume_mid_epoch_exactly(tmp_path, seedlings):
     """--cache_images: every process maps the one decoded .npy file, the workers only copy bytes, and crop,
-    flips and rotation run on the device from the checkpointed RNG."""
+    flips and rotation run on the device from the checkpointed RNG. With an EMA, whose weights (model_1) resume
+    exactly too."""
     data = shutil.copytree(seedlings, tmp_path / "data")
     reference = train_then_resume_mid_epoch(
         tmp_path, REPO / "scripts" / "train_seedlings.py", "--data_dir", data, "--model", "resnet18", "--image_size",
-        48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1, "--cache_images", "--random_erasing", 0.5, epoch=2)
+        48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1, "--cache_images", "--random_erasing", 0.5,
+        "--ema_decay", 0.99, epoch=2, weights=("model.safetensors", "model_1.safetensors"))
     assert (data / ".checked-train-55px.npy").exists()
     for record in metrics(reference):  # drop_last: 14 full batches of 4 out of 59 images, half on each process
         assert record["train_samples_per_process"] == [28, 28] and record["train_unique_samples"] == 56
