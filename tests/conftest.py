@@ -171,13 +171,34 @@ def worker_pid(launcher_pid, rank):
 
 
 def kill_everything(process, *strays):
-    """SIGKILL a run: the launcher, all its workers, and `strays` (pids that may have left the tree)."""
-    for pid in [*descendants(process.pid), *strays]:
+    """SIGKILL a run: the launcher, all its workers, and `strays` (pids that may have left the tree); returns once
+    they are gone (a process SIGKILLed while it writes takes a moment to end, and until then holds its run folder)."""
+    family = [*descendants(process.pid), *strays]
+    for pid in family:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     process.wait()
+    assert all_gone(family, timeout=30), [(pid, process_state(pid)) for pid in family]
+
+
+def all_gone(pids, timeout=10):
+    """Whether every process of `pids` has ended (or is a zombie waiting for its parent) within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not [pid for pid in pids if process_state(pid) not in ("Z", None)]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def process_state(pid):
+    """The state letter of process `pid` (R, S, D, Z ...), None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def stop_inside_an_epoch(command, *, output_dir, log):

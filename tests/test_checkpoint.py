@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from common.outputs import publish
 from common.run import checkpoint_name
-from common.errors import UserError, run_main
+from common.errors import UserError
 from common.checkpoint import restore_args
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
@@ -36,13 +36,11 @@ def train(*args, processes=1, script=MNIST, env=None):
     return run_command(train_command(*args, processes=processes, script=script), env=env)
 
 
-def refused(script, *args, capsys):
-    """Run a script's main in this process and return what it printed; it must stop with a UserError (exit 2)."""
-    module = load_script(script.name)
-    with pytest.raises(SystemExit) as stop:
-        run_main(module.main, module.parse_args(list(map(str, args))))
-    assert stop.value.code == 2
-    return capsys.readouterr().err
+def refused(script, *args):
+    """What the script printed to stderr; it must stop with a UserError (exit 2)."""
+    result = run_script(script.name, *args)
+    assert result.returncode == 2, result.output
+    return result.stderr
 
 
 def start(*args, processes, log, env=None):
@@ -357,7 +355,7 @@ def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_un
 
 
 @pytest.mark.slow
-def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
+def test_resume_refusals_name_the_problem(tmp_path, reference):
     finished = tmp_path / "finished"
     shutil.copytree(reference(1), finished)
     cases = [
@@ -381,35 +379,32 @@ def test_resume_refusals_name_the_problem(tmp_path, reference, capsys):
     cases.append((["--output_dir", tmp_path / "new", "--resume", corrupt.parent],
                   f"checkpoint {corrupt.parent} is damaged: {corrupt} holds 1000 bytes"))
     for args, message in cases:
-        assert message in refused(MNIST, *args, capsys=capsys)
+        assert message in refused(MNIST, *args)
     assert metrics(finished) == metrics(reference(1))  # nothing of the run was touched
 
 
 @pytest.mark.slow
 def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_nothing_to_do(tmp_path, reference,
-                                                                                         capsys, monkeypatch):
+                                                                                         monkeypatch):
     """A requeued job or a restart that finds the run finished ends with exit 0 (`auto`); `latest` refuses. The
     2-process run's 168 steps are not the 336 of one (--grad_accum 1 on both): finished is counted in epochs."""
     finished = tmp_path / "finished"
     shutil.copytree(reference(2), finished)
-    module = load_script("train_mnist.py")
-    with pytest.raises(SystemExit) as stop:
-        run_main(module.main, module.parse_args(list(map(str, [*DIGITS, "--output_dir", finished, "--resume", "auto"]))))
-    assert stop.value.code == 0
-    assert capsys.readouterr().out == (f"--resume auto: the run in {finished} is finished (epoch 4 of 4 done): nothing "
-                                       f"to do. Its best model is in {finished / 'best'}\n")
+    done = run_script("train_mnist.py", *DIGITS, "--output_dir", finished, "--resume", "auto")
+    assert done.returncode == 0
+    assert done.stdout == (f"--resume auto: the run in {finished} is finished (epoch 4 of 4 done): nothing to do. Its "
+                           f"best model is in {finished / 'best'}\n")
     assert "is the end of a finished run (epoch 4 of 4 done): nothing to resume" in refused(
-        MNIST, "--output_dir", finished, "--resume", "latest", capsys=capsys)
+        MNIST, "--output_dir", finished, "--resume", "latest")
     # a count that could not go on with its global batch of 2 x 1 micro-batches: finished all the same
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(SystemExit) as stop:
-        run_main(module.main, module.parse_args(list(map(str, [*DIGITS, "--output_dir", finished, "--resume", "auto"]))))
-    assert stop.value.code == 0 and "is finished (epoch 4 of 4 done): nothing to do" in capsys.readouterr().out
+    done = run_script("train_mnist.py", *DIGITS, "--output_dir", finished, "--resume", "auto")
+    assert done.returncode == 0 and "is finished (epoch 4 of 4 done): nothing to do" in done.stdout
     assert metrics(finished) == metrics(reference(2))
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, reference, capsys):
+def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, reference):
     """Accelerate loads a random_states_0.pkl cut in half without a word (the resumed run then differs); the
     sizes and checksums in trainer_state.json name it, and no other checkpoint is taken in its place."""
     run = tmp_path / "run"
@@ -419,19 +414,19 @@ def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, reference, 
     size = states.stat().st_size
     states.write_bytes(states.read_bytes()[:size // 2])
     for resume in ("latest", "auto"):
-        message = refused(MNIST, *DIGITS, "--output_dir", run, "--resume", resume, capsys=capsys)
+        message = refused(MNIST, *DIGITS, "--output_dir", run, "--resume", resume)
         assert (f"checkpoint {latest} is damaged: {states} holds {size // 2} bytes, {size} when it was saved. It was "
                 "not used. Resume from another checkpoint (--resume ") in message, message
     weights = run / "checkpoints" / "epoch_002_end" / "model.safetensors"
     flipped = bytearray(weights.read_bytes())
     flipped[-1] ^= 1  # same size, one bit
     weights.write_bytes(bytes(flipped))
-    message = refused(MNIST, "--output_dir", run, "--resume", weights.parent, capsys=capsys)
+    message = refused(MNIST, "--output_dir", run, "--resume", weights.parent)
     assert f"{weights} does not hold what was saved (its checksum differs)" in message
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, cifar_jpegs, capsys):
+def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, cifar_jpegs):
     cifar_run = tmp_path / "cifar"
     result = train("--data_dir", cifar_jpegs, "--output_dir", cifar_run, "--epochs", 1, "--batch_size", 32,
                    "--max_steps", 2, "--checkpoint_every", 1, "--keep_checkpoints", 3, script=CIFAR)
@@ -442,13 +437,11 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
         for name in sorted(p.name for p in (cifar_jpegs / split).iterdir() if p.is_dir())[:3]:
             shutil.copytree(cifar_jpegs / split / name, three_classes / split / name)
 
-    message = refused(CIFAR, "--data_dir", three_classes, "--output_dir", tmp_path / "a", "--resume", checkpoint,
-                      capsys=capsys)
+    message = refused(CIFAR, "--data_dir", three_classes, "--output_dir", tmp_path / "a", "--resume", checkpoint)
     assert (f"checkpoint {checkpoint} holds resnet18_cifar with {{'num_classes': 10, 'in_chans': 3}}, but this run "
             "builds resnet18_cifar with {'num_classes': 3, 'in_chans': 3}") in message
 
-    message = refused(MNIST, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint,
-                      capsys=capsys)
+    message = refused(MNIST, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint)
     assert "holds resnet18_cifar with {'num_classes': 10, 'in_chans': 3}, but this run builds mnist_convnet" in message
 
 

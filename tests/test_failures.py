@@ -10,13 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from common.reporting import read_metrics
-from conftest import (REPO, descendants, fill, kill_everything, launch_command, run_command, script, small_disk,
-                      spawn, wait_for, worker_pid)
+from conftest import (REPO, all_gone, descendants, fill, kill_everything, launch_command, process_state, run_command,
+                      script, small_disk, spawn, wait_for, worker_pid)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
@@ -71,28 +70,6 @@ def test_an_error_or_a_live_worker_at_exit_never_hangs_the_process(tmp_path, see
     if mode == "raise":
         assert "RuntimeError: a bug in the copied script" in output
     assert family and all_gone(family), output
-
-
-def all_gone(pids, timeout=10):
-    """Whether every process of `pids` has ended (or is a zombie waiting for its parent) within `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not [pid for pid in pids if _running(pid)]:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _running(pid):
-    return _state(pid) not in ("Z", None)
-
-
-def _state(pid):
-    """The state letter of process `pid` (R, S, D, Z ...), None when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 # ---- one run writes a run folder at a time ----
@@ -292,19 +269,15 @@ def test_a_split_too_small_for_every_process_to_get_a_batch_is_one_message(tmp_p
     assert "Traceback" not in result.output.split("Root Cause")[1], result.output
 
 
-def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, capsys, monkeypatch):
+def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monkeypatch):
     import torch
 
-    from common.errors import run_main
     from common.exported import load_exported
-    from conftest import load_script
 
     def refused(name, *args):
-        module = load_script(name)
-        with pytest.raises(SystemExit) as stop:
-            run_main(module.main, module.parse_args(list(map(str, args))))
-        assert stop.value.code == 2
-        return capsys.readouterr().err
+        result = script(name, *args)
+        assert result.returncode == 2, result.output
+        return result.stderr
 
     message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "vit",
                       "--model", "vit_tiny_patch16_224", "--image_size", 32)
@@ -368,7 +341,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_even_before_its_parent_collects_
                                "os.kill(os.getpid(), 9)", tmp_path])
     try:
         deadline = time.monotonic() + 60  # not holder.poll(), which would collect it
-        while not (tmp_path / ".lock").exists() or _state(holder.pid) != "Z":
+        while not (tmp_path / ".lock").exists() or process_state(holder.pid) != "Z":
             assert time.monotonic() < deadline, "the holder never ended"
             time.sleep(0.01)
         assert f"pid={holder.pid}" in (tmp_path / ".lock").read_text()
