@@ -128,6 +128,13 @@ def script(name, *args):
     return result
 
 
+def refused(name, *args):
+    """What `script(name, *args)` printed to stderr; it must stop with a UserError (exit 2)."""
+    result = script(name, *args)
+    assert result.returncode == 2, result.output
+    return result.stderr
+
+
 def load_script(name):
     """scripts/NAME as a module, to call its parse_args and main in this process."""
     spec = importlib.util.spec_from_file_location(Path(name).stem, REPO / "scripts" / name)
@@ -415,13 +422,3 @@ def assert_each_test_sample_counted_once(metrics, report, labels, class_names):
     assert [report[name]["support"] for name in class_names] == counts
     assert report["macro avg"]["support"] == len(labels)
     assert all(record["val_samples"] == len(labels) for record in metrics)
-
-
-@pytest.fixture(autouse=True)
-def release_run_folders():
-    """A script's main called in this process (not run_main) that failed still holds its run folder's lock: let
-    the next test (or a launch) take the folder, as a new process would."""
-    yield
-    from common.outputs import unlock_output_dirs
-
-    unlock_output_dirs()

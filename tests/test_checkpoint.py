@@ -18,7 +18,7 @@ from common.checkpoint import restore_args
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
                       launch_command, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
-from conftest import script as run_script
+from conftest import refused, script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
@@ -34,13 +34,6 @@ def train(*args, processes=1, script=MNIST, env=None):
     if processes == 1 and env is None:
         return run_script(script.name, *args)
     return run_command(train_command(*args, processes=processes, script=script), env=env)
-
-
-def refused(script, *args):
-    """What the script printed to stderr; it must stop with a UserError (exit 2)."""
-    result = run_script(script.name, *args)
-    assert result.returncode == 2, result.output
-    return result.stderr
 
 
 def start(*args, processes, log, env=None):
@@ -379,7 +372,7 @@ def test_resume_refusals_name_the_problem(tmp_path, reference):
     cases.append((["--output_dir", tmp_path / "new", "--resume", corrupt.parent],
                   f"checkpoint {corrupt.parent} is damaged: {corrupt} holds 1000 bytes"))
     for args, message in cases:
-        assert message in refused(MNIST, *args)
+        assert message in refused(MNIST.name, *args)
     assert metrics(finished) == metrics(reference(1))  # nothing of the run was touched
 
 
@@ -395,7 +388,7 @@ def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_noth
     assert done.stdout == (f"--resume auto: the run in {finished} is finished (epoch 4 of 4 done): nothing to do. Its "
                            f"best model is in {finished / 'best'}\n")
     assert "is the end of a finished run (epoch 4 of 4 done): nothing to resume" in refused(
-        MNIST, "--output_dir", finished, "--resume", "latest")
+        MNIST.name, "--output_dir", finished, "--resume", "latest")
     # a count that could not go on with its global batch of 2 x 1 micro-batches: finished all the same
     monkeypatch.setenv("WORLD_SIZE", "3")
     done = run_script("train_mnist.py", *DIGITS, "--output_dir", finished, "--resume", "auto")
@@ -414,14 +407,14 @@ def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, reference):
     size = states.stat().st_size
     states.write_bytes(states.read_bytes()[:size // 2])
     for resume in ("latest", "auto"):
-        message = refused(MNIST, *DIGITS, "--output_dir", run, "--resume", resume)
+        message = refused(MNIST.name, *DIGITS, "--output_dir", run, "--resume", resume)
         assert (f"checkpoint {latest} is damaged: {states} holds {size // 2} bytes, {size} when it was saved. It was "
                 "not used. Resume from another checkpoint (--resume ") in message, message
     weights = run / "checkpoints" / "epoch_002_end" / "model.safetensors"
     flipped = bytearray(weights.read_bytes())
     flipped[-1] ^= 1  # same size, one bit
     weights.write_bytes(bytes(flipped))
-    message = refused(MNIST, "--output_dir", run, "--resume", weights.parent)
+    message = refused(MNIST.name, "--output_dir", run, "--resume", weights.parent)
     assert f"{weights} does not hold what was saved (its checksum differs)" in message
 
 
@@ -437,11 +430,11 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
         for name in sorted(p.name for p in (cifar_jpegs / split).iterdir() if p.is_dir())[:3]:
             shutil.copytree(cifar_jpegs / split / name, three_classes / split / name)
 
-    message = refused(CIFAR, "--data_dir", three_classes, "--output_dir", tmp_path / "a", "--resume", checkpoint)
+    message = refused(CIFAR.name, "--data_dir", three_classes, "--output_dir", tmp_path / "a", "--resume", checkpoint)
     assert (f"checkpoint {checkpoint} holds resnet18_cifar with {{'num_classes': 10, 'in_chans': 3}}, but this run "
             "builds resnet18_cifar with {'num_classes': 3, 'in_chans': 3}") in message
 
-    message = refused(MNIST, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint)
+    message = refused(MNIST.name, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint)
     assert "holds resnet18_cifar with {'num_classes': 10, 'in_chans': 3}, but this run builds mnist_convnet" in message
 
 

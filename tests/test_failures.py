@@ -14,8 +14,8 @@ import time
 import pytest
 
 from common.reporting import read_metrics
-from conftest import (REPO, all_gone, descendants, fill, kill_everything, launch_command, process_state, run_command,
-                      script, small_disk, spawn, wait_for, worker_pid)
+from conftest import (REPO, all_gone, descendants, fill, kill_everything, launch_command, process_state, refused,
+                      run_command, script, small_disk, spawn, wait_for, worker_pid)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
@@ -273,11 +273,6 @@ def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monk
     import torch
 
     from common.exported import load_exported
-
-    def refused(name, *args):
-        result = script(name, *args)
-        assert result.returncode == 2, result.output
-        return result.stderr
 
     message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "vit",
                       "--model", "vit_tiny_patch16_224", "--image_size", 32)
