@@ -6,6 +6,10 @@ VENV ?= .venv
 PYTHON ?= python3
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+# pytest-xdist workers, each taking a whole test file at a time (a file's tests share its runs): 2 finish the
+# suite 1.25x sooner on 2 cores, where a launch's start and end leave a core idle (BENCHMARKS.md); 0: one process
+WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -n $(WORKERS) --dist loadfile
 
 .PHONY: setup demo test test-fast browser
 
@@ -29,7 +33,7 @@ browser:
 		&& $(SUDO) apt-get install -y -qq chromium-headless-shell || $(SUDO) apt-get install -y -qq chromium; }
 
 test: setup $(FASHION_MNIST) browser
-	$(VENV)/bin/python -m pytest --durations=15
+	$(PYTEST) --durations=15
 
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"

@@ -2,11 +2,10 @@
 default seed recovers (scripts/benchmark_accuracy.py guards the accuracy itself, on a real budget)."""
 
 import json
-import sys
 
 import pytest
 
-from conftest import REPO, load_script, run_command, script
+from conftest import load_script, script
 
 
 def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path, cifar_jpegs):
@@ -28,9 +27,8 @@ def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path
     """The guard on its cheapest recipe (the digits demo, one seed): --record writes what it measured; a record a
     few points above what the recipe reaches (a change that lost accuracy) fails by name with exit code 2."""
     record_file, work = tmp_path / "record.json", tmp_path / "work"
-    guard = [REPO / "scripts" / "benchmark_accuracy.py", "digits", "--seeds", "42", "--work_dir", work,
-             "--record_file", record_file]
-    result = run_command([sys.executable, *guard, "--record"])
+    guard = ["benchmark_accuracy.py", "digits", "--seeds", "42", "--work_dir", work, "--record_file", record_file]
+    result = script(*guard, "--record")
     assert result.returncode == 0, result.output
     (precision, recorded), = json.loads(record_file.read_text())["digits"].items()
     metrics = [json.loads(line) for line in (work / "runs" / "digits" / "seed42" / "metrics.jsonl").read_text().splitlines()]
@@ -40,7 +38,7 @@ def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path
 
     recorded["accuracies"] = [metrics[-1]["val_accuracy"] + 0.05]
     record_file.write_text(json.dumps({"digits": {precision: recorded}}))
-    result = run_command([sys.executable, *guard])
+    result = script(*guard)
     assert result.returncode == 2, result.output
     assert "FAIL: the mean fell 5.00% and the lowest seed fell 5.00% (tolerance 2.00%)" in result.output
     assert "accuracy guard failed for digits" in result.output and "Traceback" not in result.output

@@ -148,9 +148,8 @@ def test_earlier_run_is_kept_unless_overwrite_and_tensorboard_works_offline(tmp_
 
 
 def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
-    result = run_command([sys.executable, REPO / "scripts" / "benchmark.py", "--data_dir", cifar_jpegs / "train",
-                          "--images", 75, "--batch_size", 32, "--train_steps", 1, "--repeats", 2,
-                          "--train_images", 40, "--output", tmp_path / "bench.json"])
+    result = script("benchmark.py", "--data_dir", cifar_jpegs / "train", "--images", 75, "--batch_size", 32,
+                    "--train_steps", 1, "--repeats", 2, "--train_images", 40, "--output", tmp_path / "bench.json")
     assert result.returncode == 0, result.output
     assert "data path speed-up, ours / seed style:" in result.output and "training step, ours / plain:" in result.output
     bench = json.loads((tmp_path / "bench.json").read_text())
@@ -167,8 +166,8 @@ def test_folder_benchmark_measures_start_up_and_memory_on_2_processes(tmp_path):
     """Of a folder and (--hf) of the same images as a Hugging Face dataset; 2 processes, where the measurements are
     per process (the default, 1 and 2, launches the same code once more with one)."""
     assert load_script("benchmark_folders.py").parse_args([]).processes == [1, 2]
-    result = run_command([sys.executable, REPO / "scripts" / "benchmark_folders.py", "--sizes", 120, "--batches", 2,
-                          "--processes", 2, "--work_dir", tmp_path, "--hf"])
+    result = script("benchmark_folders.py", "--sizes", 120, "--batches", 2, "--processes", 2, "--work_dir", tmp_path,
+                    "--hf")
     assert result.returncode == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [(row["source"], row.get("processes")) for row in rows] == [
@@ -187,9 +186,8 @@ def test_folder_benchmark_measures_start_up_and_memory_on_2_processes(tmp_path):
 
 
 def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(tmp_path, seedlings):
-    result = run_command([sys.executable, REPO / "scripts" / "benchmark_hf.py", "--data_dir", seedlings, "--work_dir",
-                          tmp_path, "--repeats", 1, "--", "--model", "resnet18", "--image_size", 32, "--epochs", 1,
-                          "--batch_size", 8])
+    result = script("benchmark_hf.py", "--data_dir", seedlings, "--work_dir", tmp_path, "--repeats", 1, "--", "--model",
+                    "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 8)
     assert result.returncode == 0, result.output
     runs = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [(run["path"], run["source"]) for run in runs] == [("decode cache", "folder"), ("decode cache", "hf"),
@@ -228,9 +226,8 @@ def test_the_peer_benchmark_times_each_script_to_its_targets_on_a_tiny_budget(tm
                 write_idx(data / f"{split}-{kind}-ubyte.gz", images)
         args = ["--target", 0.05, *(["--seed_script", seed_script] if seed_script.is_file() else [])]
         scripts = ["ours", "seed"] if seed_script.is_file() else ["ours"]
-    result = run_command([sys.executable, REPO / "scripts" / "benchmark_peers.py", task, "--data_dir", data,
-                          "--seeds", 42, 1, "--epochs", 1, "--work_dir", tmp_path / "work", "--output",
-                          tmp_path / "peers.json", *args], timeout=900)
+    result = script("benchmark_peers.py", task, "--data_dir", data, "--seeds", 42, 1, "--epochs", 1, "--work_dir",
+                    tmp_path / "work", "--output", tmp_path / "peers.json", *args)
     assert result.returncode == 0, result.output
     out = json.loads((tmp_path / "peers.json").read_text())
     assert list(out["runs"]) == scripts and out["seeds"] == [42, 1] and out["cores"] >= 1 and "cpu" in out
