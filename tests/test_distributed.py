@@ -150,7 +150,7 @@ def test_two_machines_each_decode_the_image_cache_once_into_one_shared_file(tmp_
     """--cache_images on two "machines" sharing the data folder: each machine decodes the images once (its
     one process, here) under a temporary name of its own and renames it to the same file; both train."""
     data = shutil.copytree(seedlings, tmp_path / "data")
-    args = ["--data_dir", data, "--model", "resnet18", "--image_size", 48, "--epochs", 1, "--batch_size", 4,
+    args = ["--data_dir", data, "--model", "test_resnet", "--image_size", 48, "--epochs", 1, "--batch_size", 4,
             "--num_workers", 0, "--cache_images", "--output_dir", tmp_path / "run"]
     (code0, out0), (code1, out1) = run_machines(tmp_path, args, args, script=REPO / "scripts" / "train_seedlings.py")
     assert code0 == 0 and code1 == 0, out0 + out1

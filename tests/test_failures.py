@@ -19,7 +19,7 @@ from conftest import (REPO, all_gone, descendants, fill, kill_everything, launch
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
-SMALL_SEEDLINGS = ["--model", "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 8, "--mixup_alpha", 0,
+SMALL_SEEDLINGS = ["--model", "test_resnet", "--image_size", 32, "--epochs", 1, "--batch_size", 8, "--mixup_alpha", 0,
                    "--cutmix_alpha", 0, "--num_workers", 1, "--no-cache_images"]
 
 
@@ -261,7 +261,7 @@ def test_a_split_too_small_for_every_process_to_get_a_batch_is_one_message(tmp_p
     """59 training images make one full batch of 32, and one optimizer step of 2 processes takes 2: nothing would
     be trained (before: both ended in an UnboundLocalError after '0 optimizer steps')."""
     result = run_command(launch_command(SEEDLINGS, "--data_dir", seedlings, "--output_dir", tmp_path / "run", "--model",
-                                        "resnet18", "--image_size", 32, "--batch_size", 32, "--num_workers", 1))
+                                        "test_resnet", "--image_size", 32, "--batch_size", 32, "--num_workers", 1))
     assert result.returncode != 0
     assert ("59 training images make 1 full batch(es) of --batch_size 32, fewer than the 2 of one optimizer step (2 "
             "process(es) x 1 accumulation step(s)): nothing would be trained. Lower --batch_size (to 29 at most), "

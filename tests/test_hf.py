@@ -47,7 +47,7 @@ def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders
     assert script("split_dataset.py", seedlings, split).returncode == 0
     splits, classes = folder_splits(split, {"train": "train", "validation": "val"})
     hf_dataset(splits, classes=classes).save_to_disk(tmp_path / "hf")
-    common = ["--model", "resnet18", "--image_size", 32, "--epochs", 2, "--batch_size", 4]
+    common = ["--model", "test_resnet", "--image_size", 32, "--epochs", 2, "--batch_size", 4]
     folder = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", tmp_path / "folder", *common)
     assert folder.returncode == 0, folder.output
     hf = launch(SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--output_dir",
@@ -92,7 +92,7 @@ def test_a_streamed_split_on_two_processes_stopped_by_sigterm_goes_on_where_each
             tmp_path / "hf" / "data" / f"train-{shard:05d}-of-00004.parquet")
     splits["validation"].to_parquet(tmp_path / "hf" / "data" / "validation-00000-of-00001.parquet")
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--streaming", "--shuffle_buffer",
-               8, "--model", "resnet18", "--image_size", 32, "--epochs", 3, "--batch_size", 4, "--mixup_prob", 1.0]
+               8, "--model", "test_resnet", "--image_size", 32, "--epochs", 3, "--batch_size", 4, "--mixup_prob", 1.0]
     reference = launch(*command, "--output_dir", tmp_path / "reference")
     assert reference.returncode == 0, reference.output
     assert (f"hf:{tmp_path / 'hf'}: split 'train' streamed (64 examples), 'validation' validates; images from column "
@@ -178,7 +178,7 @@ def test_one_split_of_parquet_with_string_labels_and_named_columns_is_split_as_a
     dataset.shard(2, 1, contiguous=True).to_parquet(tmp_path / "parquet" / "part-1.parquet")
     data_dir = f"hf:parquet:{tmp_path / 'parquet' / '*.parquet'}"
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--model",
-               "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 4, "--no-find_label_issues"]
+               "test_resnet", "--image_size", 32, "--epochs", 1, "--batch_size", 4, "--no-find_label_issues"]
     refused = script(command[0].name, *command[1:])
     assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
     assert (f"error: {data_dir} split 'train' has more than one Image column (photo (Image), plant (Value), mask "

@@ -187,7 +187,7 @@ def test_folder_benchmark_measures_start_up_and_memory_on_2_processes(tmp_path):
 
 def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(tmp_path, seedlings):
     result = script("benchmark_hf.py", "--data_dir", seedlings, "--work_dir", tmp_path, "--repeats", 1, "--", "--model",
-                    "resnet18", "--image_size", 32, "--epochs", 1, "--batch_size", 8)
+                    "test_resnet", "--image_size", 32, "--epochs", 1, "--batch_size", 8)
     assert result.returncode == 0, result.output
     runs = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [(run["path"], run["source"]) for run in runs] == [("decode cache", "folder"), ("decode cache", "hf"),

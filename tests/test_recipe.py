@@ -86,7 +86,7 @@ def test_seedlings_with_class_weights_and_a_balanced_sampler_resume_mid_epoch_ex
     """The folder path too: Mixup on every batch, a class-balanced sampler, weighted loss, augmentation in a
     DataLoader worker (seeded by seed, epoch and index), 2 processes, resumed inside epoch 2."""
     reference = train_then_resume_mid_epoch(
-        tmp_path, REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18",
+        tmp_path, REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "test_resnet",
         "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1, "--mixup_prob", 1.0,
         "--class_weights", "balanced", "--sampler", "balanced", "--no-cache_images", epoch=2)
     for record in metrics(reference):  # drawn with replacement: some images twice, others not at all
@@ -95,8 +95,8 @@ def test_seedlings_with_class_weights_and_a_balanced_sampler_resume_mid_epoch_ex
 
 def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_best_and_a_report(tmp_path, seedlings):
     output_dir = tmp_path / "run"
-    command = [REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18", "--image_size",
-               48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment", "trivialaugment",
+    command = [REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "test_resnet",
+               "--image_size", 48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment", "trivialaugment",
                "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir, "--no-find_label_issues"]
     result = launch(*command)
     assert result.returncode == 0, result.output
@@ -126,7 +126,7 @@ def test_seedlings_cached_images_augmented_on_the_device_resume_mid_epoch_exactl
     exactly too."""
     data = shutil.copytree(seedlings, tmp_path / "data")
     reference = train_then_resume_mid_epoch(
-        tmp_path, REPO / "scripts" / "train_seedlings.py", "--data_dir", data, "--model", "resnet18", "--image_size",
+        tmp_path, REPO / "scripts" / "train_seedlings.py", "--data_dir", data, "--model", "test_resnet", "--image_size",
         48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1, "--cache_images", "--random_erasing", 0.5,
         "--ema_decay", 0.99, epoch=2, weights=("model.safetensors", "model_1.safetensors"))
     assert (data / ".checked-train-55px.npy").exists()

@@ -198,8 +198,8 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     data = shutil.copytree(seedlings, tmp_path / "data")
     for name in ("truncated.png", "not_an_image.png"):
         shutil.copy(FIXTURES / "odd_images" / name, data / "Maize" / f"zz_{name}")
-    command = [SCRIPTS / "train_seedlings.py", "--data_dir", data, "--model", "resnet18", "--image_size", 48, "--epochs",
-               1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images",
+    command = [SCRIPTS / "train_seedlings.py", "--data_dir", data, "--model", "test_resnet", "--image_size", 48,
+               "--epochs", 1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images",
                "--cache_images" if cache else "--no-cache_images"]
     first = launch(*command, "--output_dir", tmp_path / "first")
     assert first.returncode == 0, first.output
@@ -267,7 +267,7 @@ def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path
     output_dir = tmp_path / "run"
     assert script("compute_mean_std.py", split / "train" / "Charlock", "--output", tmp_path / "stats.json").returncode == 0
     result = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", output_dir, "--model",
-                    "resnet18", "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1,
+                    "test_resnet", "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1,
                     "--mixup_prob", 1.0, "--cache_images", "--skip_bad_images", "--mean_std", tmp_path / "stats.json")
     assert result.returncode == 0, result.output
     meta = json.loads((output_dir / "best" / "meta.json").read_text())
@@ -320,7 +320,7 @@ def test_odd_batch_with_mixup_and_offline_hub_weights_are_refused(tmp_path, seed
 def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
     """torchrun sends SIGTERM to each process group, DataLoader workers included: the run must still save."""
     output_dir = tmp_path / "run"
-    args = ["--data_dir", seedlings, "--output_dir", output_dir, "--model", "resnet18", "--image_size", 32,
+    args = ["--data_dir", seedlings, "--output_dir", output_dir, "--model", "test_resnet", "--image_size", 32,
             "--epochs", 3, "--batch_size", 2, "--num_workers", 2, "--no-cache_images"]
     log = tmp_path / "log"
     process = subprocess.Popen(launch_command(SCRIPTS / "train_seedlings.py", *args), cwd=REPO, stdout=open(log, "w"),
@@ -348,7 +348,7 @@ def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_on
     micro-batch from (seed, epoch, micro-batch), so 2 x 1 stopped by SIGTERM inside an epoch and continued as 1 x 2
     ends as the uninterrupted 2 x 1 run: weights, EMA weights, optimizer, metrics and predictions. The EMA is
     evaluated beside the model each epoch, and best/ holds the better of the two."""
-    command = [SCRIPTS / "train_seedlings.py", "--data_dir", seedlings, "--model", "resnet18", "--image_size", 32,
+    command = [SCRIPTS / "train_seedlings.py", "--data_dir", seedlings, "--model", "test_resnet", "--image_size", 32,
                "--epochs", 3, "--batch_size", 4, "--cache_images", "--mixup_prob", 1.0, "--ema_decay", 0.9]
     reference = launch(*command, "--output_dir", tmp_path / "reference")
     assert reference.returncode == 0, reference.output
