@@ -97,7 +97,8 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
     output_dir = tmp_path / "run"
     command = [REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "test_resnet",
                "--image_size", 48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment",
-               "trivialaugment", "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir, "--no-find_label_issues"]
+               "trivialaugment", "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir,
+               "--no-find_label_issues"]
     result = launch(*command)
     assert result.returncode == 0, result.output
     assert "suspected wrong labels" not in result.output and not (output_dir / "label_issues.csv").exists()
