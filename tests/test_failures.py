@@ -88,13 +88,14 @@ def test_a_second_launch_on_a_folder_in_use_is_refused_naming_the_holder_and_the
         workers = [holder, worker_pid(first.pid, rank=1)]
         for pid in workers:  # held still, whatever this machine's speed: the second launch comes while it runs
             os.kill(pid, signal.SIGSTOP)
-        try:
-            for extra in ([], ["--resume", "auto"], ["--overwrite"]):  # the typo'd Slurm array, enter pressed twice
-                second = run_command(launch_command(MNIST, *DIGITS, "--output_dir", output_dir, *extra), timeout=120)
-                assert second.returncode != 0, second.output
-                assert (f"{output_dir} is being written by another run (process {holder} on {socket.gethostname()} "
-                        f"holds {output_dir.resolve() / '.lock'})") in second.output, second.output
-                assert "Traceback" not in second.output.split("Root Cause")[1], second.output
+        held = (f"{output_dir} is being written by another run (process {holder} on {socket.gethostname()} holds "
+                f"{output_dir.resolve() / '.lock'})")
+        try:  # the typo'd Slurm array: the same 2-process launch again
+            second = run_command(launch_command(MNIST, *DIGITS, "--output_dir", output_dir), timeout=120)
+            assert second.returncode != 0 and held in second.output, second.output
+            assert "Traceback" not in second.output.split("Root Cause")[1], second.output
+            for extra in (["--resume", "auto"], ["--overwrite"]):  # enter pressed twice, or "start it over"
+                assert held in refused(MNIST.name, *DIGITS, "--output_dir", output_dir, *extra)
         finally:
             for pid in workers:
                 os.kill(pid, signal.SIGCONT)
