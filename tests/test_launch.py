@@ -44,7 +44,7 @@ def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
 
     output_dir = tmp_path / "run"
     result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", cifar_jpegs, "--output_dir", output_dir,
-                    "--epochs", 1, "--batch_size", 32)
+                    "--model", "test_resnet", "--epochs", 1, "--batch_size", 32)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
     assert_two_processes_shared_the_data(metrics, train_size=151, batch_size=32)
@@ -61,7 +61,7 @@ def test_cifar_official_batches_path(tmp_path, cifar_jpegs):
     write_cifar_batches(tmp_path / "data" / "cifar-10-batches-py", train, test)
     output_dir = tmp_path / "run"
     result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", tmp_path / "data", "--output_dir", output_dir,
-                    "--epochs", 1, "--batch_size", 32)
+                    "--model", "test_resnet", "--epochs", 1, "--batch_size", 32)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
     assert_two_processes_shared_the_data(metrics, train_size=151, batch_size=32)

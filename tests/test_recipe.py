@@ -72,8 +72,8 @@ def test_a_copied_script_with_its_own_loss_and_optimizer_and_device_cutout_and_e
     (project / "scripts" / "train_cifar.py").write_text(script)
 
     reference = train_then_resume_mid_epoch(tmp_path, project / "scripts" / "train_cifar.py", "--data_dir",
-                                            cifar_jpegs, "--epochs", 2, "--batch_size", 8, "--cutout", 16,
-                                            "--random_erasing", 0.5, epoch=2, cwd=project)
+                                            cifar_jpegs, "--model", "test_resnet", "--epochs", 2, "--batch_size", 8,
+                                            "--cutout", 16, "--random_erasing", 0.5, epoch=2, cwd=project)
     assert_two_processes_shared_the_data(metrics(reference), train_size=151, batch_size=8)
     # the edited recipe ran: AdamW's moments in the optimizer state, not SGD's momentum buffers
     state = torch.load(reference / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)["state"]
