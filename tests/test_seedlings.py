@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,7 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
 from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome, launch,
-                      launch_command, read_run, run_command, script, stop_inside_an_epoch)
+                      launch_command, read_run, run_command, script, spawn, stop_inside_an_epoch, wait_for)
 
 SCRIPTS = REPO / "scripts"
 
@@ -323,12 +322,8 @@ def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
     args = ["--data_dir", seedlings, "--output_dir", output_dir, "--model", "test_resnet", "--image_size", 32,
             "--epochs", 3, "--batch_size", 2, "--num_workers", 2, "--no-cache_images"]
     log = tmp_path / "log"
-    process = subprocess.Popen(launch_command(SCRIPTS / "train_seedlings.py", *args), cwd=REPO, stdout=open(log, "w"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not (output_dir / "checkpoints" / "epoch_001_end").exists():
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    process = spawn(launch_command(SCRIPTS / "train_seedlings.py", *args), log=log)
+    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) != 0
     output = log.read_text()
