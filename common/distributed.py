@@ -1,10 +1,12 @@
 """Building the Accelerator so that the same launch works on N GPUs, several nodes, or a CPU-only laptop."""
 
 import os
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import accelerate.data_loader
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
@@ -20,6 +22,9 @@ warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the
 # recent torch deprecates DDP's broadcast_buffers for forward_sync_buffers, which older versions lack (BatchNormMerge
 # needs the buffers left alone)
 warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+# Accelerate's prepare_data_loader imports Hugging Face `datasets` (1.5-2 s on every process of a launch) only to ask
+# whether a dataset is a datasets.IterableDataset, which none can be before `datasets` was imported
+accelerate.data_loader.is_datasets_available = lambda: "datasets" in sys.modules
 
 
 def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None,

@@ -98,18 +98,49 @@ def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_
 
 
 def build_digits(*, test_fraction=0.25, seed=42):
-    """scikit-learn's bundled 1,797 8x8 digits (offline), split stratified into (train, test)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    """scikit-learn's bundled 1,797 8x8 digits (offline), split stratified into (train, test): the file and the split
+    of `load_digits` and `train_test_split(..., stratify=labels)`, read without importing scikit-learn, which takes
+    2-3 s on every process of a launch (tests/test_builders.py holds the two to the same images)."""
+    import importlib.util
 
-    digits = load_digits()
-    images = np.round(digits.images * (255 / 16)).astype(np.uint8)[:, None]  # values 0..16 -> 0..255
-    train_x, test_x, train_y, test_y = train_test_split(
-        images, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
-    return (InMemoryDataset(torch.from_numpy(train_x), torch.from_numpy(train_y), MNIST_CLASSES),
-            InMemoryDataset(torch.from_numpy(test_x), torch.from_numpy(test_y), MNIST_CLASSES))
+    sklearn = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0])
+    table = np.loadtxt(sklearn / "datasets" / "data" / "digits.csv.gz", delimiter=",")  # 64 pixels 0..16, the label
+    images = np.round(table[:, :-1].reshape(-1, 1, 8, 8) * (255 / 16)).astype(np.uint8)
+    labels = table[:, -1].astype(np.int64)
+    train, test = stratified_split(labels, test_fraction=test_fraction, seed=seed)
+    return (InMemoryDataset(torch.from_numpy(images[train]), torch.from_numpy(labels[train]), MNIST_CLASSES),
+            InMemoryDataset(torch.from_numpy(images[test]), torch.from_numpy(labels[test]), MNIST_CLASSES))
 
 
+def stratified_split(labels, *, test_fraction, seed):
+    """(train, test) indices as scikit-learn's StratifiedShuffleSplit draws them: each class's share of the test
+    set rounded by the largest remainders (ties broken at random), each class shuffled, then each set."""
+    rng = np.random.RandomState(seed)
+    n_test = int(np.ceil(test_fraction * len(labels)))
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+
+    def share(counts, draws):  # sklearn.utils.extmath._approximate_mode
+        exact = counts / counts.sum() * draws
+        taken = np.floor(exact)
+        missing, remainder = int(draws - taken.sum()), exact - taken
+        for value in np.sort(np.unique(remainder))[::-1]:
+            if missing <= 0:
+                break
+            tied = np.where(remainder == value)[0]
+            chosen = rng.choice(tied, size=min(len(tied), missing), replace=False)
+            taken[chosen] += 1
+            missing -= len(chosen)
+        return taken.astype(int)
+
+    n_train = share(counts, len(labels) - n_test)
+    n_test = share(counts - n_train, n_test)
+    train, test = [], []
+    for indices, first, then in zip(by_class, n_train, n_test):
+        shuffled = indices.take(rng.permutation(len(indices)))
+        train.extend(shuffled[:first])
+        test.extend(shuffled[first:first + then])
+    return rng.permutation(train), rng.permutation(test)
 
 
 # for scripts/evaluate.py: each dataset by the name describe_model records, as (data_dir, seed) -> (train, test);

@@ -73,6 +73,34 @@ def test_digits_split_is_stratified_and_uint8():
     assert counts.min() >= 43 and counts.max() <= 46
 
 
+@pytest.mark.parametrize("seed, test_fraction", [(42, 0.25), (0, 0.25), (7, 0.25), (3, 0.1), (5, 0.5)])
+def test_digits_are_scikit_learns_images_and_split_read_without_importing_it(seed, test_fraction):
+    """The same images in the same order as load_digits + train_test_split(stratify=...), which older runs and
+    checkpoints were trained on, without scikit-learn's 2-3 s import on every process."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = np.round(digits.images * (255 / 16)).astype(np.uint8)[:, None]
+    expected = train_test_split(images, digits.target, test_size=test_fraction, random_state=seed,
+                                stratify=digits.target)
+    train, test = build_digits(test_fraction=test_fraction, seed=seed)
+    for got, want in zip((train.images, test.images, train.labels, test.labels), expected):
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_a_process_of_a_launch_imports_neither_scikit_learn_nor_datasets_before_its_first_step():
+    """2-3 s each on every process: the digits are read without scikit-learn, and Accelerate's preparing of a
+    DataLoader for 2 processes no longer imports Hugging Face datasets to look for its IterableDataset."""
+    code = ("import sys; import torch; from accelerate.data_loader import prepare_data_loader; "
+            "from common.distributed import build_accelerator; from common.mnist import build_digits; "
+            "train, test = build_digits(); "
+            "prepare_data_loader(torch.utils.data.DataLoader(test, batch_size=8), num_processes=2, process_index=1); "
+            "print(sorted(m for m in ('sklearn', 'datasets') if m in sys.modules))")
+    result = run_command([sys.executable, "-c", code])
+    assert result.returncode == 0 and result.stdout.split("\n")[-2] == "[]", result.output
+
+
 # --- CIFAR-10 sources ----------------------------------------------------------------------------
 
 def write_cifar_batches(folder, train, test):
