@@ -3,7 +3,6 @@
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import tarfile
 from types import SimpleNamespace
@@ -349,20 +348,26 @@ def test_a_script_imports_only_what_its_start_needs(name):
     (True, "bf16", None, "bf16"), (False, "bf16", None, "no"), (False, "bf16", "bf16", "bf16"), (True, "no", None, "no"),
     (True, None, None, "bf16"), (False, None, None, "no"), (True, None, "no", "no")])
 def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_instructions(has_bf16, config, flag,
-                                                                                                expected):
+                                                                                                expected, monkeypatch,
+                                                                                                capsys):
     """The flag, else the accelerate config (what `accelerate launch` passes on as ACCELERATE_MIXED_PRECISION), else
     bf16 where the CPU computes it. accelerate_configs/cpu.yaml's bf16 becomes fp32, with one line, on a CPU
     without bf16 instructions (slower there); --mixed_precision bf16 forces it."""
-    code = ("import common.distributed as d; "
-            f"d.cpu_computes_bf16 = lambda: {has_bf16}; "
-            f"print('precision', d.build_accelerator(mixed_precision={flag!r}, cpu=True).mixed_precision)")
-    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_MIXED_PRECISION"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                            env=env | ({"ACCELERATE_MIXED_PRECISION": config} if config else {}))
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == f"precision {expected}", result.stdout
-    fell_back = "the accelerate config asks for bf16, which this CPU has no instructions for" in result.stdout
-    assert fell_back == (config == "bf16" and expected == "no"), result.stdout
+    from accelerate.state import AcceleratorState, GradientState
+
+    import common.distributed
+
+    monkeypatch.setattr(common.distributed, "cpu_computes_bf16", lambda: has_bf16)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    if config:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", config)
+    try:
+        assert common.distributed.build_accelerator(mixed_precision=flag, cpu=True).mixed_precision == expected
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    fell_back = "the accelerate config asks for bf16, which this CPU has no instructions for" in capsys.readouterr().out
+    assert fell_back == (config == "bf16" and expected == "no")
 
 
 def test_macro_f1_is_scikit_learns_with_absent_and_never_predicted_classes():
