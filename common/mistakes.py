@@ -13,6 +13,7 @@ import csv
 import html
 import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +75,7 @@ def find_label_issues(scores, *, class_names, files=None, split, trained_on):
     """The images of `scores` (an `evaluate` result) whose given label the model finds least likely, most suspect
     first, by cleanlab's confident learning; `split` names the images in the report, `trained_on` whether the
     model trained on them (then a wrong label it learned to repeat is not found: the report says so)."""
-    from cleanlab.filter import find_label_issues as confident_learning  # pandas and cleanlab: 2-4 s to import
-
+    confident_learning = _import_confident_learning()
     probs, labels, indices = scores["probabilities"], scores["labels"], scores["indices"]
     found = {"split": split, "scored": len(labels), "accuracy": float((probs.argmax(1) == labels).mean())}
     if len(np.unique(labels)) < 2:
@@ -88,6 +88,20 @@ def find_label_issues(scores, *, class_names, files=None, split, trained_on):
               "learned to repeat is not found (few are in a short run: a network learns the clean majority first)."
               if trained_on else "The model did not train on them: its probabilities are out-of-sample.")
     return {**found, "flagged": len(flagged), "method": method, "images": flagged}
+
+
+def _import_confident_learning():
+    """cleanlab's find_label_issues. Importing cleanlab imports its Datalab too, and with it Hugging Face datasets (2
+    s at the end of every run); cleanlab makes Datalab unavailable when that import fails, and it is not used here."""
+    blocked = "datasets" not in sys.modules
+    if blocked:
+        sys.modules["datasets"] = None  # `import datasets` raises ImportError while cleanlab is imported
+    try:
+        from cleanlab.filter import find_label_issues
+    finally:
+        if blocked:
+            del sys.modules["datasets"]
+    return find_label_issues
 
 
 def _image(row, probs, labels, indices, class_names, files, loss=None):

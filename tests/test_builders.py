@@ -88,16 +88,23 @@ def test_digits_are_scikit_learns_images_and_split_read_without_importing_it(see
         np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_a_process_of_a_launch_imports_neither_scikit_learn_nor_datasets_before_its_first_step():
-    """2-3 s each on every process: the digits are read without scikit-learn, and Accelerate's preparing of a
-    DataLoader for 2 processes no longer imports Hugging Face datasets to look for its IterableDataset."""
+def test_a_process_of_a_launch_imports_neither_scikit_learn_nor_datasets_it_does_not_use():
+    """2-3 s each on every process: the digits are read without scikit-learn, Accelerate's preparing of a DataLoader
+    for 2 processes no longer imports Hugging Face datasets to look for its IterableDataset, and cleanlab, which the
+    end of a run imports, no longer imports it for its Datalab (unused)."""
     code = ("import sys; import torch; from accelerate.data_loader import prepare_data_loader; "
             "from common.distributed import build_accelerator; from common.mnist import build_digits; "
             "train, test = build_digits(); "
             "prepare_data_loader(torch.utils.data.DataLoader(test, batch_size=8), num_processes=2, process_index=1); "
-            "print(sorted(m for m in ('sklearn', 'datasets') if m in sys.modules))")
+            "print(sorted(m for m in ('sklearn', 'datasets') if m in sys.modules)); "
+            "from common.mistakes import find_label_issues; "
+            "scores = dict(probabilities=torch.eye(10)[test.labels].numpy() * 0.9 + 0.01, labels=test.labels.numpy(), "
+            "indices=torch.arange(len(test)).numpy()); scores['labels'][:5] = (scores['labels'][:5] + 1) % 10; "
+            "found = find_label_issues(scores, class_names=test.classes, split='test', trained_on=False); "
+            "print(found['flagged'], 'datasets' in sys.modules)")
     result = run_command([sys.executable, "-c", code])
-    assert result.returncode == 0 and result.stdout.split("\n")[-2] == "[]", result.output
+    assert result.returncode == 0, result.output
+    assert result.stdout.splitlines()[-2:] == ["[]", "5 False"], result.output
 
 
 # --- CIFAR-10 sources ----------------------------------------------------------------------------
