@@ -95,6 +95,17 @@ def count_steps(train_dataloader, *, epochs, max_steps):
     return min(epochs * sampler.steps_per_epoch, max_steps or math.inf)
 
 
+def since_launch():
+    """'N s after the launch': from the launcher's start for a process that accelerate launch or torchrun started
+    (its parent), else from this process's."""
+    import psutil  # Accelerate's dependency
+
+    process = psutil.Process()
+    launcher = process.parent() if "LOCAL_RANK" in os.environ else None
+    return f"{time.time() - (launcher or process).create_time():.1f} s after the " + (
+        "launch" if launcher else "process started")
+
+
 def checkpoint_name(epoch, batch=None):
     """epoch_002_batch_000120 inside epoch 2, epoch_002_end after it: the names sort in training order."""
     return f"epoch_{epoch:03d}_end" if batch is None else f"epoch_{epoch:03d}_batch_{batch:06d}"
@@ -116,6 +127,7 @@ class TrainingRun:
         self._totals = self._nonfinite = self._started = self._pace = self._loss = self._batchnorm = None
         self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
+        self._said_first_step = False  # the start-up's cost, said once the first optimizer step is done
 
     @property
     def finished(self):
@@ -310,6 +322,9 @@ class TrainingRun:
         mine = torch.tensor([-len(_signals_received), -int(step_ms)], device=device)
         seen = self.accelerator.gather(torch.cat([self._nonfinite[None], mine])[None]).min(0).values.tolist()
         nonfinite, signals, slowest_step_ms = seen[0], seen[1], -seen[2]
+        if not self._said_first_step and self.accelerator.is_main_process:
+            tqdm.write(f"first optimizer step done {since_launch()} (imports, data, model, the first batch)")
+        self._said_first_step = True
         # the next look: the same on every process, since all see the same numbers
         self._next_look = self.step + max(1, min(CHECK_EVERY, int(1000 * LOOK_SECONDS / max(1, slowest_step_ms))))
         self._last_look = (self.step, now)

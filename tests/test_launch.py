@@ -7,6 +7,7 @@ import shutil
 import statistics
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -20,11 +21,14 @@ pytestmark = pytest.mark.slow
 def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_path, fashion_subset):
     from common.mnist import build_mnist
 
-    output_dir = tmp_path / "run"
+    output_dir, launched = tmp_path / "run", time.time()
     result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", fashion_subset,
                     "--output_dir", output_dir, "--epochs", 2, "--batch_size", 64)
     assert result.returncode == 0, result.output
     assert "2 process(es), MULTI_CPU" in result.output and "global batch 128" in result.output
+    # the start-up's cost, once, counted from the launcher's start (not the worker's, not an earlier process's)
+    start_up = re.findall(r"first optimizer step done ([\d.]+) s after the launch \(imports, data, model", result.output)
+    assert len(start_up) == 1 and 0 < float(start_up[0]) < time.time() - launched, result.output
     # the recipe's AdamW LR (1e-2 at a global batch of 64) follows the global batch of 128 by its square root
     assert "lr 0.01414 = 0.01 x sqrt(128 / 64)" in result.output
     optimizer = torch.load(output_dir / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)
