@@ -79,8 +79,8 @@ def check_classes(classes, root):
 
 
 def split_dataset(labels, *, val_fraction, seed, classes=None):
-    """Stratified (train, val) index lists (scikit-learn's train_test_split, as the seed's makedata.py): they
-    depend only on the sorted listing and the seed, so every process and every run agree."""
+    """Stratified (train, val) index lists, as scikit-learn's train_test_split draws them (the seed's makedata.py):
+    they depend only on the sorted listing and the seed, so every process and every run agree."""
     counts = np.bincount(labels)
     if counts.min() < 2:
         names = classes or [f"class {label}" for label in range(len(counts))]
@@ -88,15 +88,46 @@ def split_dataset(labels, *, val_fraction, seed, classes=None):
         raise UserError(f"cannot split into train and val: every class needs at least 2 images, and "
                         f"{', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer. Add images, or remove the class "
                         "folder")
-    from sklearn.model_selection import train_test_split  # imported here: only a split needs scikit-learn
-
-    try:
-        train, val = train_test_split(np.arange(len(labels)), test_size=val_fraction, random_state=seed,
-                                      stratify=labels)
-    except ValueError as error:  # too few images for a validation image per class
-        raise UserError(f"cannot split {len(labels)} images into train/val with --val_fraction {val_fraction}: "
-                        f"{error}") from None
+    val = int(np.ceil(val_fraction * len(labels)))
+    if min(val, len(labels) - val) < len(counts):
+        short = "validation" if val < len(counts) else "training"
+        raise UserError(f"cannot split {len(labels)} images into train/val with --val_fraction {val_fraction}: it "
+                        f"leaves {val if short == 'validation' else len(labels) - val} {short} images for "
+                        f"{len(counts)} classes, which need one each. {'Raise' if short == 'validation' else 'Lower'} "
+                        "--val_fraction, or add images")
+    train, val = stratified_split(np.asarray(labels), test_fraction=val_fraction, seed=seed)
     return sorted(train.tolist()), sorted(val.tolist())
+
+
+def stratified_split(labels, *, test_fraction, seed):
+    """(train, test) indices as scikit-learn's StratifiedShuffleSplit draws them: each class's share of the test
+    set rounded by the largest remainders (ties broken at random), each class shuffled, then each set."""
+    rng = np.random.RandomState(seed)
+    n_test = int(np.ceil(test_fraction * len(labels)))
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+
+    def share(counts, draws):  # sklearn.utils.extmath._approximate_mode
+        exact = counts / counts.sum() * draws
+        taken = np.floor(exact)
+        missing, remainder = int(draws - taken.sum()), exact - taken
+        for value in np.sort(np.unique(remainder))[::-1]:
+            if missing <= 0:
+                break
+            tied = np.where(remainder == value)[0]
+            chosen = rng.choice(tied, size=min(len(tied), missing), replace=False)
+            taken[chosen] += 1
+            missing -= len(chosen)
+        return taken.astype(int)
+
+    n_train = share(counts, len(labels) - n_test)
+    n_test = share(counts - n_train, n_test)
+    train, test = [], []
+    for indices, first, then in zip(by_class, n_train, n_test):
+        shuffled = indices.take(rng.permutation(len(indices)))
+        train.extend(shuffled[:first])
+        test.extend(shuffled[first:first + then])
+    return rng.permutation(train), rng.permutation(test)
 
 
 def read_image(path, *, channels=3):

@@ -9,6 +9,7 @@ import torch
 from .data import InMemoryDataset, check_labels, download_dataset
 from .decode_cache import decode_split
 from .errors import UserError
+from .images import stratified_split
 from .hf import find_hf_splits, is_hf
 
 MNIST_CLASSES = [str(digit) for digit in range(10)]
@@ -110,37 +111,6 @@ def build_digits(*, test_fraction=0.25, seed=42):
     train, test = stratified_split(labels, test_fraction=test_fraction, seed=seed)
     return (InMemoryDataset(torch.from_numpy(images[train]), torch.from_numpy(labels[train]), MNIST_CLASSES),
             InMemoryDataset(torch.from_numpy(images[test]), torch.from_numpy(labels[test]), MNIST_CLASSES))
-
-
-def stratified_split(labels, *, test_fraction, seed):
-    """(train, test) indices as scikit-learn's StratifiedShuffleSplit draws them: each class's share of the test
-    set rounded by the largest remainders (ties broken at random), each class shuffled, then each set."""
-    rng = np.random.RandomState(seed)
-    n_test = int(np.ceil(test_fraction * len(labels)))
-    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
-    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
-
-    def share(counts, draws):  # sklearn.utils.extmath._approximate_mode
-        exact = counts / counts.sum() * draws
-        taken = np.floor(exact)
-        missing, remainder = int(draws - taken.sum()), exact - taken
-        for value in np.sort(np.unique(remainder))[::-1]:
-            if missing <= 0:
-                break
-            tied = np.where(remainder == value)[0]
-            chosen = rng.choice(tied, size=min(len(tied), missing), replace=False)
-            taken[chosen] += 1
-            missing -= len(chosen)
-        return taken.astype(int)
-
-    n_train = share(counts, len(labels) - n_test)
-    n_test = share(counts - n_train, n_test)
-    train, test = [], []
-    for indices, first, then in zip(by_class, n_train, n_test):
-        shuffled = indices.take(rng.permutation(len(indices)))
-        train.extend(shuffled[:first])
-        test.extend(shuffled[first:first + then])
-    return rng.permutation(train), rng.permutation(test)
 
 
 # for scripts/evaluate.py: each dataset by the name describe_model records, as (data_dir, seed) -> (train, test);

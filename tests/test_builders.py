@@ -88,13 +88,39 @@ def test_digits_are_scikit_learns_images_and_split_read_without_importing_it(see
         np.testing.assert_array_equal(got.numpy(), want)
 
 
+def test_folder_splits_are_scikit_learns_train_test_split_and_a_split_too_small_is_refused():
+    """split_dataset (folders, Hugging Face splits, --val_fraction) draws what train_test_split(stratify=...) drew
+    before it (runs and checkpoints made then keep their images), and refuses where it raised."""
+    from sklearn.model_selection import train_test_split
+
+    from common.images import split_dataset
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        classes = int(rng.integers(2, 15))
+        labels = np.concatenate([np.arange(classes)] * 2 + [rng.integers(0, classes, int(rng.integers(0, 300)))])
+        labels, fraction, seed = rng.permutation(labels).tolist(), float(rng.choice([0.05, 0.1, 0.3, 0.5, 0.9])), int(
+            rng.integers(1000))
+        try:
+            expected = [sorted(part.tolist()) for part in train_test_split(
+                np.arange(len(labels)), test_size=fraction, random_state=seed, stratify=labels)]
+        except ValueError:
+            with pytest.raises(UserError, match=r"cannot split \d+ images into train/val with --val_fraction .*: it "
+                                                r"leaves \d+ (training|validation) images for \d+ classes, which need "
+                                                r"one each\. (Raise|Lower) --val_fraction, or add images"):
+                split_dataset(labels, val_fraction=fraction, seed=seed)
+            continue
+        assert list(split_dataset(labels, val_fraction=fraction, seed=seed)) == expected
+
+
 def test_a_process_of_a_launch_imports_neither_scikit_learn_nor_datasets_it_does_not_use():
-    """2-3 s each on every process: the digits are read without scikit-learn, Accelerate's preparing of a DataLoader
-    for 2 processes no longer imports Hugging Face datasets to look for its IterableDataset, and cleanlab, which the
-    end of a run imports, no longer imports it for its Datalab (unused)."""
+    """2-3 s each on every process: the digits are read (and folders split) without scikit-learn, Accelerate's
+    preparing of a DataLoader for 2 processes no longer imports Hugging Face datasets to look for its
+    IterableDataset, and cleanlab, which the end of a run imports, no longer imports it for its Datalab (unused)."""
     code = ("import sys; import torch; from accelerate.data_loader import prepare_data_loader; "
-            "from common.distributed import build_accelerator; from common.mnist import build_digits; "
-            "train, test = build_digits(); "
+            "import common.distributed; from common.mnist import build_digits; "
+            "from common.images import split_dataset; "
+            "train, test = build_digits(); split_dataset(train.labels.tolist(), val_fraction=0.3, seed=1); "
             "prepare_data_loader(torch.utils.data.DataLoader(test, batch_size=8), num_processes=2, process_index=1); "
             "print(sorted(m for m in ('sklearn', 'datasets') if m in sys.modules)); "
             "from common.mistakes import find_label_issues; "
