@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -35,6 +36,36 @@ PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 
 def run_main(main, args):
+    """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
+    try:
+        call_main(main, args)
+    except SystemExit as stop:
+        end_process(stop.code)
+    end_process(0)
+
+
+def end_process(code):
+    """`sys.exit(code)` without the interpreter's teardown, which can abort a process that used gloo after all its
+    work is written ("terminate called without an active exception", SIGABRT; in about 1 of 13 two-process launches
+    on 2 busy cores): gloo's worker thread lets go of the last collective's work just after the caller has moved on,
+    and if the interpreter is being torn down by then, releasing the Python objects of that work's tensors cannot
+    take the GIL, and the thread's unwinding ends the process (pytorch/pytorch#179291). What the interpreter's exit
+    does before that teardown is done here: threads joined, atexit handlers run (the run folder's lock, DataLoader
+    workers, logging), output flushed."""
+    if code is not None and not isinstance(code, int):  # sys.exit("message"), as the interpreter shows it
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed, replaced by None, or its pipe gone
+            pass
+    os._exit(code or 0)
+
+
+def call_main(main, args):
     """Call `main(args)`; a UserError becomes one `error: ...` line and exit code 2. A run stopped by SIGTERM exits
     with 143, so schedulers see that it did not finish; a collective that lost its peer is one line, exit code 1."""
     try:

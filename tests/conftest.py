@@ -70,7 +70,7 @@ def run_command(command, *, cwd=None, env=None, timeout=600):
 
 
 def script(name, *args):
-    """`python scripts/NAME ARGS` as one process would run it, but in this process: its main under run_main, what it
+    """`python scripts/NAME ARGS` as one process would run it, but in this process: its main under call_main, what it
     and its DataLoader workers write to stdout and stderr captured (Python's and the C libraries'), SystemExit as the
     exit code, an uncaught exception as exit code 1 with its traceback; then the state a run leaves in its process
     (Accelerate's, the SIGTERM handler, the run folder's lock, torch's thread count) put back. It saves each call an
@@ -79,7 +79,7 @@ def script(name, *args):
     from accelerate.state import AcceleratorState, GradientState
 
     from common import run
-    from common.errors import run_main
+    from common.errors import call_main
     from common.outputs import unlock_output_dirs
 
     module = load_script(name)
@@ -98,7 +98,7 @@ def script(name, *args):
             with warnings.catch_warnings(record=True) as caught:  # pytest would keep them: on stderr, as a process
                 warnings.simplefilter("always")
                 try:
-                    run_main(module.main, module.parse_args(argv[1:]))
+                    call_main(module.main, module.parse_args(argv[1:]))
                 finally:
                     for warning in caught:
                         print(warnings.formatwarning(warning.message, warning.category, warning.filename,

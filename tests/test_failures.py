@@ -72,6 +72,43 @@ def test_an_error_or_a_live_worker_at_exit_never_hangs_the_process(tmp_path, see
     assert family and all_gone(family), output
 
 
+EXITING = f"""
+import atexit, sys
+sys.path.insert(0, {str(REPO)!r})
+from common.errors import UserError, run_main
+
+class Torn:
+    def __del__(self):
+        print("torn down", flush=True)
+
+kept = Torn()  # a module global: the interpreter's teardown would delete it
+atexit.register(lambda: print("atexit ran", flush=True))
+
+def main(how):
+    print("unflushed", end="")
+    if how == "error":
+        raise UserError("no such folder: x")
+    if how == "message":
+        sys.exit("stopped: a message")
+
+run_main(main, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("how, code, says", [("done", 0, ""), ("error", 2, "error: no such folder: x"),
+                                             ("message", 1, "stopped: a message")])
+def test_a_script_ends_without_the_interpreters_teardown_having_done_what_its_exit_must(tmp_path, how, code, says):
+    """run_main ends the process itself (common.errors.end_process): the teardown after it could abort a process
+    that used gloo once everything was written (SIGABRT, "terminate called without an active exception"). Before
+    ending: the atexit handlers, the output flushed, the exit code as sys.exit gives it."""
+    program = tmp_path / "exiting.py"
+    program.write_text(EXITING)
+    result = subprocess.run([sys.executable, program, how], capture_output=True, text=True, timeout=60)
+    assert result.returncode == code, result.stderr
+    assert result.stdout == "unflushedatexit ran\n"  # and no "torn down": the teardown was skipped
+    assert result.stderr.strip() == says
+
+
 # ---- one run writes a run folder at a time ----
 
 DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
