@@ -62,6 +62,15 @@ def launch(*args, processes=2, cwd=None, env=None, timeout=600):
     return run_command(launch_command(*args, processes=processes), cwd=cwd, env=env, timeout=timeout)
 
 
+def launch_warm(*args, processes=2, cwd=None, env=None, timeout=600):
+    """launch(), its processes forked from a server that has imported torch, Accelerate and timm already, with the
+    environment `accelerate launch` gives them (tests/warm.py): for the runs whose outputs a test reads. A test of
+    the launcher itself (signals, restarts, machines, its messages) launches a real one."""
+    import warm
+
+    return warm.launch(*args, processes=processes, cwd=cwd or REPO, env=env, timeout=timeout)
+
+
 def run_command(command, *, cwd=None, env=None, timeout=600):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     result = subprocess.run(list(map(str, command)), cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)

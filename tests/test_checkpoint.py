@@ -17,7 +17,7 @@ from common.errors import UserError
 from common.checkpoint import restore_args
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
-                      launch_command, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
+                      launch_command, launch_warm, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
 from conftest import refused, script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -31,7 +31,10 @@ def train_command(*args, processes, script=MNIST):
 
 
 def train(*args, processes=1, script=MNIST, env=None):
-    if processes == 1 and env is None:
+    """A run to completion: 1 process in this one (a process of its own with `env`), several forked warm."""
+    if processes > 1:
+        return launch_warm(script, *args, processes=processes, env=env)
+    if env is None:
         return run_script(script.name, *args)
     return run_command(train_command(*args, processes=processes, script=script), env=env)
 

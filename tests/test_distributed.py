@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from common.mnist import build_digits
 from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
-                      descendants, kill_everything, launch_command, read_run, run_command, spawn, wait_for,
+                      descendants, kill_everything, launch_command, launch_warm, read_run, run_command, spawn, wait_for,
                       script, worker_pid)
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     machine's launcher starts its process again, they meet again through the same rendezvous, continue from
     the checkpoint and end as a 2-process run that was never interrupted."""
     args = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16, "--checkpoint_every", 10]
-    reference = run_command(launch_command(MNIST, *args, "--output_dir", tmp_path / "reference"))
+    reference = launch_warm(MNIST, *args, "--output_dir", tmp_path / "reference")
     assert reference.returncode == 0, reference.output
     output_dir = tmp_path / "run"
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from common.data import preprocess
 from common.mnist import build_digits
 from common.models import build_model, describe_model
-from conftest import REPO, assert_report_shows, launch, script
+from conftest import REPO, assert_report_shows, launch_warm, script
 
 pytestmark = pytest.mark.slow
 SEEDLING_MEAN, SEEDLING_STD = (0.33, 0.29, 0.21), (0.14, 0.14, 0.16)
@@ -41,8 +41,8 @@ def test_two_processes_count_every_image_once_as_one_process_does(tmp_path, cifa
     one = script("evaluate.py", "--model_dir", best, "--data_dir", cifar_jpegs, "--batch_size", 8,
                  "--output_dir", tmp_path / "one")
     assert one.returncode == 0, one.output
-    two = launch(REPO / "scripts" / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir", cifar_jpegs,
-                 "--batch_size", 8)
+    two = launch_warm(REPO / "scripts" / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir", cifar_jpegs,
+                      "--batch_size", 8)
     assert two.returncode == 0, two.output
     ours, theirs = rows(tmp_path / "run" / "evaluation" / "predictions.csv"), rows(tmp_path / "one" / "predictions.csv")
     assert [int(row["index"]) for row in ours] == list(range(101))  # each image once, in dataset order
@@ -118,8 +118,8 @@ def test_a_folder_with_fewer_classes_is_matched_by_name_and_an_unknown_class_is_
 
 def test_val_fraction_chooses_best_on_validation_and_scores_the_test_set_once_as_evaluate_does(tmp_path):
     output_dir = tmp_path / "run"
-    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--epochs", 3, "--val_fraction", 0.2,
-                    "--output_dir", output_dir)
+    result = launch_warm(REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--epochs", 3,
+                         "--val_fraction", 0.2, "--output_dir", output_dir)
     assert result.returncode == 0, result.output
     assert "digits: 1077 train / 270 validation images / 450 test," in result.output
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,8 @@ from common.errors import UserError
 from common.folders import find_splits
 from common.hf import hf_options
 from common.images import list_image_folder
-from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, read_run, script, stop_inside_an_epoch)
+from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, launch_warm, read_run, script,
+                      stop_inside_an_epoch)
 
 SCRIPTS = REPO / "scripts"
 
@@ -48,10 +49,11 @@ def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders
     splits, classes = folder_splits(split, {"train": "train", "validation": "val"})
     hf_dataset(splits, classes=classes).save_to_disk(tmp_path / "hf")
     common = ["--model", "test_resnet", "--image_size", 32, "--epochs", 2, "--batch_size", 4]
-    folder = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", tmp_path / "folder", *common)
+    folder = launch_warm(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", tmp_path / "folder",
+                         *common)
     assert folder.returncode == 0, folder.output
-    hf = launch(SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--output_dir",
-                tmp_path / "run", *common)
+    hf = launch_warm(SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--output_dir",
+                     tmp_path / "run", *common)
     assert hf.returncode == 0, hf.output
     assert (f"hf:{tmp_path / 'hf'}: split 'train' trains; 'validation' validates (the first of validation, valid, "
             "val, test it has; --val_split chooses another); images from column 'img', labels from 'species': 12 "
@@ -71,8 +73,8 @@ def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders
                         label_issues=min(24, len(list(csv.DictReader(open(tmp_path / "run" / "label_issues.csv"))))))
 
     # evaluate.py on the validation split, on 2 processes: best/'s own validation accuracy, every image once
-    evaluated = launch(SCRIPTS / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir", f"hf:{tmp_path / 'hf'}",
-                       "--split", "validation", "--output_dir", tmp_path / "eval")
+    evaluated = launch_warm(SCRIPTS / "evaluate.py", "--model_dir", tmp_path / "run", "--data_dir",
+                            f"hf:{tmp_path / 'hf'}", "--split", "validation", "--output_dir", tmp_path / "eval")
     assert evaluated.returncode == 0, evaluated.output
     scores = json.loads((tmp_path / "eval" / "classification_report.json").read_text())
     assert scores["macro avg"]["support"] == 26
@@ -93,7 +95,7 @@ def test_a_streamed_split_on_two_processes_stopped_by_sigterm_goes_on_where_each
     splits["validation"].to_parquet(tmp_path / "hf" / "data" / "validation-00000-of-00001.parquet")
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", f"hf:{tmp_path / 'hf'}", "--streaming", "--shuffle_buffer",
                8, "--model", "test_resnet", "--image_size", 32, "--epochs", 3, "--batch_size", 4, "--mixup_prob", 1.0]
-    reference = launch(*command, "--output_dir", tmp_path / "reference")
+    reference = launch_warm(*command, "--output_dir", tmp_path / "reference")
     assert reference.returncode == 0, reference.output
     assert (f"hf:{tmp_path / 'hf'}: split 'train' streamed (64 examples), 'validation' validates; images from column "
             "'img', labels from 'species': 12 classes, 64 train / 21 val images, 24 optimizer steps") in reference.output
@@ -111,7 +113,7 @@ def test_a_streamed_split_on_two_processes_stopped_by_sigterm_goes_on_where_each
             "share of a stream depends on their number: resume it on 2 process(es)") in one.output
     assert (output_dir / "checkpoints" / "latest").read_text().strip() == latest
 
-    resumed = launch(*command, "--resume", "latest")
+    resumed = launch_warm(*command, "--resume", "latest")
     assert resumed.returncode == 0, resumed.output
     assert_same_outcome(output_dir, tmp_path / "reference", checkpoint="checkpoints/epoch_003_end", rel=1e-6)
     for run in (output_dir, tmp_path / "reference"):
@@ -143,10 +145,11 @@ def test_fashion_mnist_as_parquet_files_through_train_mnist_as_its_idx_files(tmp
     for name, dataset in hf_dataset(splits, image="image", label="label", classes=FASHION_MNIST_CLASSES).items():
         dataset.to_parquet(tmp_path / "hub" / "data" / f"{name}-00000-of-00001.parquet")
     common = ["--dataset", "fashion_mnist", "--epochs", 1, "--batch_size", 64]
-    idx = launch(SCRIPTS / "train_mnist.py", "--data_dir", fashion_subset, "--output_dir", tmp_path / "idx", *common)
+    idx = launch_warm(SCRIPTS / "train_mnist.py", "--data_dir", fashion_subset, "--output_dir", tmp_path / "idx",
+                      *common)
     assert idx.returncode == 0, idx.output
-    hf = launch(SCRIPTS / "train_mnist.py", "--data_dir", f"hf:{tmp_path / 'hub'}", "--output_dir", tmp_path / "run",
-                *common)
+    hf = launch_warm(SCRIPTS / "train_mnist.py", "--data_dir", f"hf:{tmp_path / 'hub'}", "--output_dir",
+                     tmp_path / "run", *common)
     assert hf.returncode == 0, hf.output
     assert (f"hf:{tmp_path / 'hub'}: split 'train' trains; 'test' validates (the first of validation, valid, val, test "
             "it has; --val_split chooses another); images from column 'image', labels from 'label': 2001 train / "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import (FASHION_MNIST, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
-                      launch, load_script, read_run, require, run_command, script)
+                      launch, launch_warm, load_script, read_run, require, run_command, script)
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,8 @@ def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
     from common.cifar import build_cifar10
 
     output_dir = tmp_path / "run"
-    result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", cifar_jpegs, "--output_dir", output_dir,
-                    "--model", "test_resnet", "--epochs", 1, "--batch_size", 32)
+    result = launch_warm(REPO / "scripts" / "train_cifar.py", "--data_dir", cifar_jpegs, "--output_dir", output_dir,
+                         "--model", "test_resnet", "--epochs", 1, "--batch_size", 32)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
     assert_two_processes_shared_the_data(metrics, train_size=151, batch_size=32)
@@ -64,8 +64,8 @@ def test_cifar_official_batches_path(tmp_path, cifar_jpegs):
     train, test = build_cifar10(cifar_jpegs)
     write_cifar_batches(tmp_path / "data" / "cifar-10-batches-py", train, test)
     output_dir = tmp_path / "run"
-    result = launch(REPO / "scripts" / "train_cifar.py", "--data_dir", tmp_path / "data", "--output_dir", output_dir,
-                    "--model", "test_resnet", "--epochs", 1, "--batch_size", 32)
+    result = launch_warm(REPO / "scripts" / "train_cifar.py", "--data_dir", tmp_path / "data", "--output_dir",
+                         output_dir, "--model", "test_resnet", "--epochs", 1, "--batch_size", 32)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
     assert_two_processes_shared_the_data(metrics, train_size=151, batch_size=32)
@@ -75,8 +75,8 @@ def test_cifar_official_batches_path(tmp_path, cifar_jpegs):
 def test_fashion_mnist_defaults_reach_88_percent_in_two_epochs(tmp_path):
     require(FASHION_MNIST / "train-images-idx3-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
     output_dir = tmp_path / "run"
-    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", FASHION_MNIST,
-                    "--output_dir", output_dir)
+    result = launch_warm(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", FASHION_MNIST,
+                         "--output_dir", output_dir)
     assert result.returncode == 0, result.output
     metrics, report = read_run(output_dir)
     assert len(metrics) == 2 and metrics[-1]["val_samples"] == 10000

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, launch, script
+from conftest import REPO, launch_warm, script
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +81,8 @@ def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp
     (tmp_path / "images" / "0100_broken.png").write_bytes(b"\x89PNG not really")
     one = predict("--model_dir", digits_run, "--output", tmp_path / "one.csv", "--batch_size", 16, tmp_path / "images")
     assert one.returncode == 0, one.output
-    two = launch(REPO / "scripts" / "predict.py", "--model_dir", digits_run, "--output", tmp_path / "two.csv",
-                 "--batch_size", 16, tmp_path / "images")
+    two = launch_warm(REPO / "scripts" / "predict.py", "--model_dir", digits_run, "--output", tmp_path / "two.csv",
+                      "--batch_size", 16, tmp_path / "images")
     assert two.returncode == 0, two.output
     assert "predicted 450 images" in two.output and "skipped 1 unreadable" in two.output
     assert f"skipped {tmp_path / 'images' / '0100_broken.png'}: not a readable image" in two.output

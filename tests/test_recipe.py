@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_two_processes_shared_the_data, launch, script
+from conftest import REPO, assert_two_processes_shared_the_data, launch_warm, script
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,14 @@ def train_then_resume_mid_epoch(tmp_path, script, *args, epoch, weights=("model.
     first checkpoint inside `epoch` with only the location flags, and check that both end the same: the
     `weights` files of the last checkpoint, the optimizer state and metrics.jsonl. Returns the reference run."""
     reference = tmp_path / "reference"
-    result = launch(script, *args, "--output_dir", reference, "--checkpoint_every", 3, "--keep_checkpoints", 100,
-                    cwd=cwd)
+    result = launch_warm(script, *args, "--output_dir", reference, "--checkpoint_every", 3, "--keep_checkpoints", 100,
+                         cwd=cwd)
     assert result.returncode == 0, result.output
     resumed = shutil.copytree(reference, tmp_path / "resumed")
     middle = sorted((resumed / "checkpoints").glob(f"epoch_{epoch:03d}_batch_*"))[0]
     location = [value for flag, value in zip(args, args[1:]) if flag == "--data_dir"][:1]
-    result = launch(script, *(["--data_dir", *location] if location else []), "--output_dir", resumed,
-                    "--resume", middle, cwd=cwd)
+    result = launch_warm(script, *(["--data_dir", *location] if location else []), "--output_dir", resumed,
+                         "--resume", middle, cwd=cwd)
     assert result.returncode == 0, result.output
     assert f"resumed from {middle}: epoch {epoch}, batch {int(middle.name[-6:])}" in result.output
     last = sorted((reference / "checkpoints").glob("epoch_*_end"))[-1].name
@@ -99,7 +99,7 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
                "--image_size", 48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment",
                "trivialaugment", "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir,
                "--no-find_label_issues"]
-    result = launch(*command)
+    result = launch_warm(*command)
     assert result.returncode == 0, result.output
     assert "suspected wrong labels" not in result.output and not (output_dir / "label_issues.csv").exists()
     assert "not computed (<code>--no-find_label_issues</code>)" in (output_dir / "report.html").read_text()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import confusion_matrix, recall_score
 
-from conftest import REPO, assert_report_shows, launch, write_idx
+from conftest import REPO, assert_report_shows, launch_warm, write_idx
 from common.mistakes import EXAMPLES, SHOWN, find_mistakes
 from common.mnist import FASHION_MNIST_CLASSES, build_mnist, read_idx
 
@@ -62,8 +62,8 @@ def test_flipped_training_labels_are_the_most_suspect_and_the_report_opens_in_a_
     write_idx(data / "train-labels-idx1-ubyte", labels)
 
     output_dir = tmp_path / "run"
-    result = launch(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", data,
-                    "--output_dir", output_dir, "--epochs", 2, "--batch_size", 64)
+    result = launch_warm(REPO / "scripts" / "train_mnist.py", "--dataset", "fashion_mnist", "--data_dir", data,
+                         "--output_dir", output_dir, "--epochs", 2, "--batch_size", 64)
     assert result.returncode == 0, result.output
     suspects = [int(row["index"]) for row in rows(output_dir / "label_issues.csv")]
     assert f"{len(suspects)} suspected wrong labels among the 2001 training images" in result.output  # each once

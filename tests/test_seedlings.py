@@ -25,8 +25,8 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
                             find_splits, training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome, launch,
-                      launch_command, read_run, run_command, script, spawn, stop_inside_an_epoch, wait_for)
+from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome,
+                      launch_command, launch_warm, read_run, run_command, script, spawn, stop_inside_an_epoch, wait_for)
 
 SCRIPTS = REPO / "scripts"
 
@@ -200,7 +200,7 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", data, "--model", "test_resnet", "--image_size", 48,
                "--epochs", 1, "--batch_size", 4, "--num_workers", 0, "--skip_bad_images",
                "--cache_images" if cache else "--no-cache_images"]
-    first = launch(*command, "--output_dir", tmp_path / "first")
+    first = launch_warm(*command, "--output_dir", tmp_path / "first")
     assert first.returncode == 0, first.output
     records = [json.loads((data / f".checked-{split}.json").read_text()) for split in ("train", "val")]
     assert sum(record["images"] for record in records) == 87
@@ -230,7 +230,7 @@ def test_two_processes_check_their_own_shares_agree_on_the_bad_ones_and_a_second
     assert ("no loader workers: both sets are gathered from the cache" in first.output) == cache
     assert ("0 loader workers per process for training and evaluation" in first.output) != cache
 
-    second = launch(*command, "--output_dir", tmp_path / "second")
+    second = launch_warm(*command, "--output_dir", tmp_path / "second")
     assert second.returncode == 0, second.output
     assert not re.search(r"checked \d+ images on", second.output)
     for record in records:
@@ -265,9 +265,10 @@ def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path
 
     output_dir = tmp_path / "run"
     assert script("compute_mean_std.py", split / "train" / "Charlock", "--output", tmp_path / "stats.json").returncode == 0
-    result = launch(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", output_dir, "--model",
-                    "test_resnet", "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1,
-                    "--mixup_prob", 1.0, "--cache_images", "--skip_bad_images", "--mean_std", tmp_path / "stats.json")
+    result = launch_warm(SCRIPTS / "train_seedlings.py", "--data_dir", split, "--output_dir", output_dir, "--model",
+                         "test_resnet", "--image_size", 48, "--epochs", 2, "--batch_size", 4, "--num_workers", 1,
+                         "--mixup_prob", 1.0, "--cache_images", "--skip_bad_images", "--mean_std",
+                         tmp_path / "stats.json")
     assert result.returncode == 0, result.output
     meta = json.loads((output_dir / "best" / "meta.json").read_text())
     assert meta["mean"] == json.loads((tmp_path / "stats.json").read_text())["mean"]
@@ -330,8 +331,8 @@ def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
     assert "stopped by SIGTERM at epoch" in output and "--resume latest" in output, output
     assert "DataLoader worker" not in output
 
-    resumed = launch(SCRIPTS / "train_seedlings.py", "--output_dir", output_dir, "--resume", "latest",
-                     "--data_dir", seedlings)
+    resumed = launch_warm(SCRIPTS / "train_seedlings.py", "--output_dir", output_dir, "--resume", "latest",
+                          "--data_dir", seedlings)
     assert resumed.returncode == 0, resumed.output
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 3
 
@@ -347,7 +348,7 @@ def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_on
     command = [SCRIPTS / "train_seedlings.py", "--data_dir", seedlings, "--model", "test_resnet", "--image_size", 32,
                "--epochs", 3, "--batch_size", 4, "--cache_images", "--mixup_prob", 1.0, "--ema_decay", 0.9,
                "--mixed_precision", "no"]
-    reference = launch(*command, "--output_dir", tmp_path / "reference")
+    reference = launch_warm(*command, "--output_dir", tmp_path / "reference")
     assert reference.returncode == 0, reference.output
     output_dir = tmp_path / "run"
     command += ["--output_dir", output_dir, "--checkpoint_every", 1]  # a SIGTERM is obeyed at the next step
