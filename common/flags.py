@@ -48,13 +48,16 @@ class ArgumentParser(argparse.ArgumentParser):
         return parsed, extras
 
     def _typed(self, args):
-        """Parsed again with no defaults, what is left was typed (abbreviations and --flag=value included)."""
+        """Parsed again with no defaults, what is left was typed (abbreviations and --flag=value included). Flags
+        only: a positional with nargs '*' keeps its default (SUPPRESS would be checked against its choices)."""
         saved = self._defaults, {action: action.default for action in self._actions}
         self._defaults = {}
         for action in self._actions:
-            action.default = argparse.SUPPRESS
+            if action.option_strings:
+                action.default = argparse.SUPPRESS
         try:
-            return frozenset(vars(super().parse_known_args(args, argparse.Namespace())[0]))
+            return frozenset(vars(super().parse_known_args(args, argparse.Namespace())[0])) - {
+                action.dest for action in self._actions if not action.option_strings}
         finally:
             self._defaults = saved[0]
             for action, default in saved[1].items():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import load_script, script
+from conftest import load_script, refused, script
 
 
 def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path, cifar_jpegs):
@@ -45,7 +45,11 @@ def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path
 
 
 def test_accuracy_guard_verdicts():
-    verdict = load_script("benchmark_accuracy.py").verdict
+    guard = load_script("benchmark_accuracy.py")
+    # no recipe named is all four (the README's command; it was refused as "invalid choice: '==SUPPRESS=='")
+    assert guard.parse_args(["--record"]).recipes == [] and guard.parse_args(["digits"]).recipes == ["digits"]
+    assert "invalid choice: 'mnist'" in refused("benchmark_accuracy.py", "mnist")
+    verdict = guard.verdict
     assert verdict([0.50, 0.51, 0.49], [0.50, 0.50, 0.51])[0]
     assert verdict([0.49], [0.50, 0.51])[0]  # within 2 points
     passed, why = verdict([0.52, 0.51, 0.31], [0.50, 0.51, 0.49])  # one seed blew up
