@@ -36,7 +36,7 @@ from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
-from common.images import build_eval_transform, list_image_folder  # noqa: E402
+from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
@@ -94,6 +94,12 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
 def list_folder_split(data_dir, split):
     """DIR/<split>/<class>/<image> where DIR has that split, else DIR/<class>/<image>, as find_splits lists them."""
     named = (Path(data_dir) / split).is_dir()
+    splits = [] if named or not Path(data_dir).is_dir() else [
+        name for name, kind in sorted(folder_entries(data_dir)) if kind == "dir"
+        and {kind for _, kind in folder_entries(Path(data_dir) / name)} == {"dir"}]
+    if splits:  # DIR/<split>/<class>/<image> without this split: its folders hold folders, not images
+        raise UserError(f"no split {split!r} in {data_dir} (there are: {', '.join(splits)}): pass --split "
+                        f"{' or --split '.join(splits)}")
     files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
     # the check is kept where a training run keeps its own
     return {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",

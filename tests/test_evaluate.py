@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from common.data import preprocess
 from common.mnist import build_digits
 from common.models import build_model, describe_model
-from conftest import REPO, assert_report_shows, launch_warm, script
+from conftest import REPO, assert_report_shows, launch_warm, refused, script
 
 pytestmark = pytest.mark.slow
 SEEDLING_MEAN, SEEDLING_STD = (0.33, 0.29, 0.21), (0.14, 0.14, 0.16)
@@ -110,10 +110,20 @@ def test_a_folder_with_fewer_classes_is_matched_by_name_and_an_unknown_class_is_
     assert report[classes[3]]["support"] == 7 and report[classes[0]]["support"] == 0
 
     shutil.copytree(seedlings / classes[0], subset / "Dandelion")
-    refused = script("evaluate.py", "--model_dir", best, "--data_dir", subset, "--output_dir", tmp_path / "out2")
-    assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
-    assert f"{subset} has classes the model does not know: Dandelion" in refused.output
+    unknown = script("evaluate.py", "--model_dir", best, "--data_dir", subset, "--output_dir", tmp_path / "out2")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.output, unknown.output
+    assert f"{subset} has classes the model does not know: Dandelion" in unknown.output
     assert not (tmp_path / "out2" / "predictions.csv").exists()
+
+    tree = tmp_path / "tree"  # DIR/<split>/<class>/<image>, asked for a split it does not have
+    for split in ("train", "val"):
+        shutil.copytree(subset / classes[3], tree / split / classes[3])
+    message = refused("evaluate.py", "--model_dir", best, "--data_dir", tree, "--split", "validation")
+    assert message.strip() == (f"error: no split 'validation' in {tree} (there are: train, val): pass --split train or "
+                               "--split val")
+    assert script("evaluate.py", "--model_dir", best, "--data_dir", tree, "--split", "val", "--output_dir",
+                  tmp_path / "out3", "--num_workers", 0).returncode == 0
+    assert len(rows(tmp_path / "out3" / "predictions.csv")) == 7
 
 
 def test_val_fraction_chooses_best_on_validation_and_scores_the_test_set_once_as_evaluate_does(tmp_path):
