@@ -39,14 +39,14 @@ def launch(script, *args, processes=2, env=None, cwd=None, timeout=600):
     context, port = _context(), _free_port()
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        processes_ = []
+        started = []
         for rank_env in launch_environment(processes):
             child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **rank_env, **(env or {}), "MASTER_PORT": str(port)}
             process = context.Process(target=_run_script, args=(str(script), list(map(str, args)), child_env,
                                                                   str(cwd or Path.cwd()), str(out), str(err)))
             process.start()
-            processes_.append(process)
-        codes = _wait(processes_, timeout)
+            started.append(process)
+        codes = _wait(started, timeout)
         result = subprocess.CompletedProcess([script, *args], int(any(codes)),
                                              *(f.read_text(errors="replace") if f.exists() else "" for f in (out, err)))
     result.output, result.exit_codes = result.stdout + result.stderr, codes
