@@ -112,7 +112,16 @@ def plot_confusion_matrix(path, matrix, class_names):
 
 
 def plot_curves(path, records):
+    """curves.png (the report shows it): loss and validation accuracy per epoch."""
     plt = _pyplot()
+    fig = curves_figure(plt, records)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100))
+    plt.close(fig)
+
+
+def curves_figure(plt, records):
+    from matplotlib.ticker import MaxNLocator
+
     epochs = [r["epoch"] for r in records]
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
     loss_ax.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
@@ -123,6 +132,6 @@ def plot_curves(path, records):
     acc_ax.set(xlabel="epoch", ylabel="accuracy (%)", title="validation accuracy")
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs, not 2.5, 5.0, 7.5
     fig.tight_layout()
-    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100))
-    plt.close(fig)
+    return fig
