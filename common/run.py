@@ -298,7 +298,9 @@ class TrainingRun:
             class_names = self.model_info["class_names"]
             report = write_reports(self.output_dir, labels=evaluation["labels"],
                                    predictions=evaluation["predictions"], class_names=class_names)
-            self.accelerator.print(f"classification report ({evaluation['samples']} images):\n{report}")
+            self.accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "
+                                   f"({evaluation['samples']} images; best/ holds epoch {self.best_epoch}, "
+                                   f"{self.best_accuracy:.2%}):\n{report}")
             label_issues = None if train_scores is None else find_label_issues(
                 train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
             page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set,

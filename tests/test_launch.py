@@ -39,6 +39,10 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
     _, test = build_mnist(fashion_subset, name="fashion_mnist")
     assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
     assert metrics[1]["train_loss"] < metrics[0]["train_loss"]
+    # the printed report says which model it scores, and which one best/ holds
+    best = max(metrics, key=lambda record: record["val_accuracy"])
+    assert (f"classification report of the model after epoch 2 (1001 images; best/ holds epoch {best['epoch']}, "
+            f"{best['val_accuracy']:.2%}):") in result.output
     for name in ("classification_report.txt", "confusion_matrix.png", "curves.png"):
         assert (output_dir / name).stat().st_size > 0
 
