@@ -225,6 +225,20 @@ def _check_state(state):
     return None
 
 
+def say_thread_count(accelerator, checkpoint):
+    """On a CPU, a resumed run computing with another number of threads per process than the checkpoint's (a
+    2-process launch has 1 each; a plain `python` run, one per core) splits its kernels' sums otherwise: its
+    weights come out other than the uninterrupted run's beyond float rounding. Said, with the command that matches."""
+    import torch
+
+    theirs, ours = checkpoint.get("threads_per_process"), torch.get_num_threads()
+    if accelerator.device.type == "cpu" and isinstance(theirs, int) and theirs != ours:
+        accelerator.print(f"{checkpoint['path']} was computed with {theirs} thread(s) per process, this run with "
+                          f"{ours}: its weights will differ from the uninterrupted run's beyond float rounding (the "
+                          f"CPU kernels split their sums by thread). For the same weights, run it with "
+                          f"OMP_NUM_THREADS={theirs} in its environment.")
+
+
 def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info, output_dir):
     """Restore `find_checkpoint`'s checkpoint into the prepared objects; later checkpoints and metrics lines go.
     Refuses another model. Any process count continues it: resolve_args kept the global batch."""
@@ -245,6 +259,7 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
                           f"{accelerator.gradient_accumulation_steps}: the same global batch and samples, so the "
                           "run goes on as the uninterrupted one, equal within float rounding (the gradients are "
                           "summed in another order)")
+    say_thread_count(accelerator, checkpoint)
     try:
         accelerator.load_state(path)
         lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])

@@ -275,7 +275,7 @@ class TrainingRun:
             name, state = checkpoint_name(self.epoch), {"epoch": self.epoch + 1, "batch": 0}
         state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,
                      lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
-                     order=ORDER, **self.model_info)
+                     threads_per_process=torch.get_num_threads(), order=ORDER, **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
         if stop:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "

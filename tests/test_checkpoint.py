@@ -203,6 +203,7 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
 
     resumed = train(*command, "--resume", "latest", processes=then, env=ONE_THREAD)  # the same command
     assert resumed.returncode == 0, resumed.output
+    assert "thread(s) per process, this run with" not in resumed.output  # one thread each, as the checkpoint's
     assert (f"was written by {first} process(es) x {2 // first} accumulation step(s), this launch has {then} x "
             f"{2 // then}: the same global batch and samples") in resumed.output
     assert f"global batch 32 = 16 per process x {then} processes x {2 // then} accumulation steps" in resumed.output
@@ -210,6 +211,25 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
     for record in metrics(output_dir):  # 1,347 images: 42 steps of 32, the 3 left over a different 3 each epoch
         assert record["train_samples"] == record["train_unique_samples"] == 42 * 32
         assert sum(record["train_samples_per_process"]) == 42 * 32
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_thread_count_says_so_and_how_to_match(tmp_path, reference):
+    """A 2-process launch computes with 1 thread per process; continued as a plain python process on several cores,
+    the run's sums split otherwise (README: a bias before a BatchNorm moves most): the resume says so."""
+    run = shutil.copytree(reference(2), tmp_path / "run")
+    checkpoint = sorted((run / "checkpoints").glob("epoch_004_batch_*"))[-1]  # a few steps from the end
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["threads_per_process"] == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        resumed = run_script("train_mnist.py", "--output_dir", run, "--resume", checkpoint)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.returncode == 0, resumed.output
+    assert (f"{checkpoint} was computed with 1 thread(s) per process, this run with 2: its weights will differ from "
+            "the uninterrupted run's beyond float rounding (the CPU kernels split their sums by thread). For the "
+            "same weights, run it with OMP_NUM_THREADS=1 in its environment.") in resumed.output
 
 
 def test_a_process_count_that_cannot_keep_the_global_batch_is_refused_naming_those_that_can(tmp_path):
