@@ -23,7 +23,7 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
     test/ or val/) or a Hugging Face dataset (`hf:NAME_OR_PATH`, its splits and columns chosen by `hf_options`);
     images from files decoded once, shared out among the `accelerator`'s processes."""
     if is_hf(data_dir):
-        train, test, _, _ = find_hf_splits(data_dir, val_fraction=None, seed=None, **(hf_options or {}))
+        train, test, _, _ = find_hf_splits(data_dir, val_fraction=None, seed=None, options=hf_options)
         return tuple(decode_split(split, size=(32, 32), accelerator=accelerator) for split in (train, test))
     root = Path(data_dir)
     found = _find_cifar10(root)

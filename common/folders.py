@@ -79,7 +79,7 @@ def find_splits(data_dir, *, val_fraction, seed, hf_options=None):
     dataset (`hf:...`, chosen by `hf_options`: common.hf.hf_options); a split is a dict of "files", "labels",
     "classes", "name" (train, val), "root" (where its decode cache goes) and "source" (the data, in words)."""
     if is_hf(data_dir):
-        return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, **(hf_options or {}))
+        return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, options=hf_options)
     root = Path(data_dir)
     has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
     if has_train and not has_val and has_test:

@@ -58,12 +58,15 @@ def _has_data_files(folder):
                for path in [*folder.glob("*"), *folder.glob("*/*")])
 
 
+# what --dataset_config, --train_split, --val_split, --image_column and --label_column choose (None: found)
+OPTIONS = ("dataset_config", "train_split", "val_split", "image_column", "label_column")
+
+
 def hf_options(args, data_dir=None, *, flag="--data_dir"):
     """Those of --dataset_config, --train_split, --val_split, --image_column, --label_column that the script of
     `args` has; refused (with --streaming) when given for data (`data_dir`, else args.data_dir; given as `flag`)
     that is not a Hugging Face dataset: they would do nothing."""
-    options = {name: getattr(args, name) for name in ("dataset_config", "train_split", "val_split", "image_column",
-                                                      "label_column") if hasattr(args, name)}
+    options = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
     data_dir = args.data_dir if data_dir is None else data_dir
     given = [f"--{name}" for name, value in options.items() if value is not None]
     given += ["--streaming"] if getattr(args, "streaming", False) else []
@@ -123,16 +126,15 @@ def load_hf(data_dir, config=None, *, streaming=False):
             else {"train": loaded})
 
 
-def find_hf_splits(data_dir, *, val_fraction, seed, dataset_config=None, train_split=None, val_split=None,
-                   image_column=None, label_column=None):
-    """(train, val, classes, skipped) as `find_splits` gives them for a folder; each split's "source" says in words
-    which splits and columns were chosen and why, for the first log line. Without a validation split, `val_fraction`
-    of the training split validates (None: refused)."""
+def find_hf_splits(data_dir, *, val_fraction, seed, options=None):
+    """(train, val, classes, skipped) as `find_splits` gives them for a folder, the dataset's config, splits and
+    columns as `options` (`hf_options`) choose them; each split's "source" says in words which were chosen and why,
+    for the first log line. Without a validation split, `val_fraction` of the training split validates (None:
+    refused)."""
+    options = {**dict.fromkeys(OPTIONS), **(options or {})}
+    dataset_config, given_val = options.pop("dataset_config"), options["val_split"] is not None
     splits = load_hf(data_dir, dataset_config)
-    given_val = val_split is not None
-    train_name, val_name, image_column, label_column, (labels, classes, named) = _choose(
-        splits, data_dir, train_split=train_split, val_split=val_split, image_column=image_column,
-        label_column=label_column)
+    train_name, val_name, image_column, label_column, (labels, classes, named) = _choose(splits, data_dir, **options)
     train = splits[train_name]
     how = [f"{_named(data_dir, dataset_config)}: split {train_name!r} trains"]
     if val_name is None and val_fraction is None:
@@ -156,8 +158,8 @@ def find_hf_splits(data_dir, *, val_fraction, seed, dataset_config=None, train_s
                + ("" if named else f" ({len(classes)} classes: its values, sorted)"))
     how = "; ".join(how)
     split_names = {"train": train_name, "val": val_name or train_name}
-    train, val = (_as_split(dataset, image_column, rows, part_labels, classes, data_dir=data_dir,
-                            split=split_names[name], name=name, source=how)
+    train, val = (_as_split(HFImages(dataset, image_column, rows, name=f"{data_dir}[{split_names[name]}]"),
+                            part_labels, classes=classes, name=name, source=how)
                   for name, (dataset, rows, part_labels) in parts.items())
     return train, val, classes, []
 
@@ -209,8 +211,8 @@ def find_hf_split(data_dir, split, *, dataset_config=None, image_column=None, la
     dataset, name, image_column = _one_split(data_dir, split, image_column, dataset_config)
     label_column = _column(dataset, label_column, "ClassLabel", "--label_column", data_dir, name)
     labels, classes, _ = _classes(dataset, label_column, data_dir, name)
-    return _as_split(dataset, image_column, range(len(dataset)), labels, classes, data_dir=data_dir, split=name,
-                     name=f"hf-{name}", source=f"{data_dir} split {name!r}")
+    return _as_split(HFImages(dataset, image_column, range(len(dataset)), name=f"{data_dir}[{name}]"), labels,
+                     classes=classes, name=f"hf-{name}", source=f"{data_dir} split {name!r}")
 
 
 def hf_images(data_dir, split, *, dataset_config=None, image_column=None):
@@ -225,9 +227,8 @@ def _one_split(data_dir, split, image_column, dataset_config):
     return splits[name], name, _column(splits[name], image_column, "Image", "--image_column", data_dir, name)
 
 
-def _as_split(dataset, image_column, rows, labels, classes, *, data_dir, split, name, source):
-    """The dict `find_splits` gives for a folder, of `rows` of a dataset."""
-    images = HFImages(dataset, image_column, rows, name=f"{data_dir}[{split}]")
+def _as_split(images, labels, *, classes, name, source):
+    """The dict `find_splits` gives for a folder, of a dataset's `images` (HFImages)."""
     return {"files": images, "labels": list(labels), "classes": classes, "name": name, "root": images.folder,
             "source": source}
 

@@ -35,13 +35,13 @@ THUMBNAIL = 128  # longest side, pixels; smaller images are kept as they are and
 def find_mistakes(evaluation, *, class_names, files=None):
     """The highest-loss images, the most confused (true, predicted) pairs and each class's recall and worst images
     of an `evaluate` result; every image as a dict (index, file, label, prediction, probabilities, loss)."""
-    probs, labels, indices = evaluation["probabilities"], evaluation["labels"], evaluation["indices"]
+    probs, labels = evaluation["probabilities"], evaluation["labels"]
     predictions = probs.argmax(1)
     loss = -np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None))
     worst = np.argsort(-loss, kind="stable")  # every row below keeps this order: highest loss first
 
     def image(row):
-        return _image(row, probs, labels, indices, class_names, files, loss=float(loss[row]))
+        return _image(row, evaluation, class_names, files, loss=float(loss[row]))
 
     matrix = np.zeros((len(class_names),) * 2, dtype=np.int64)
     np.add.at(matrix, (labels, predictions), 1)
@@ -76,14 +76,14 @@ def find_label_issues(scores, *, class_names, files=None, split, trained_on):
     first, by cleanlab's confident learning; `split` names the images in the report, `trained_on` whether the
     model trained on them (then a wrong label it learned to repeat is not found: the report says so)."""
     confident_learning = _import_confident_learning()
-    probs, labels, indices = scores["probabilities"], scores["labels"], scores["indices"]
+    probs, labels = scores["probabilities"], scores["labels"]
     found = {"split": split, "scored": len(labels), "accuracy": float((probs.argmax(1) == labels).mean())}
     if len(np.unique(labels)) < 2:
         return {**found, "flagged": 0, "images": [],
                 "not_computed": "these images are all of one class, and confident learning compares classes"}
     # n_jobs=1: cleanlab's default forks a pool per call, unsafe in a process that holds a process group and threads
     ranked = confident_learning(labels, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
-    flagged = [_image(row, probs, labels, indices, class_names, files) for row in ranked]
+    flagged = [_image(row, scores, class_names, files) for row in ranked]
     method = ("They were scored by the final model without augmentation; it trained on them, so a wrong label it has "
               "learned to repeat is not found (few are in a short run: a network learns the clean majority first)."
               if trained_on else "The model did not train on them: its probabilities are out-of-sample.")
@@ -104,7 +104,9 @@ def _import_confident_learning():
     return find_label_issues
 
 
-def _image(row, probs, labels, indices, class_names, files, loss=None):
+def _image(row, scores, class_names, files, loss=None):
+    """Row `row` of `scores` (an `evaluate` result) as the report shows an image."""
+    probs, labels, indices = scores["probabilities"], scores["labels"], scores["indices"]
     label, prediction = int(labels[row]), int(probs[row].argmax())
     index = int(indices[row])
     return {"index": index, **({"file": str(files[index])} if files is not None else {}),

@@ -55,7 +55,7 @@ def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_
     nowhere else: a mistyped --data_dir must not train on other files.
     """
     if is_hf(data_dir):
-        train, test, _, _ = find_hf_splits(data_dir, val_fraction=None, seed=None, **(hf_options or {}))
+        train, test, _, _ = find_hf_splits(data_dir, val_fraction=None, seed=None, options=hf_options)
         return tuple(decode_split(split, size=(28, 28), channels=1, accelerator=accelerator) for split in (train, test))
     root = Path(data_dir)
     folder = TORCHVISION_FOLDERS[name]

@@ -62,7 +62,7 @@ class StreamedBatches:
     DataLoader with MicroBatches would give them: dicts of uint8 images at `cache`'s size, labels and example ids.
     Also its own batch sampler (`set_epoch`, `micro_batch`, `state_dict`), which TrainingRun drives."""
 
-    def __init__(self, split, *, batch_size, seed, accelerator, cache, buffer_size, skip_bad_images, threads=None):
+    def __init__(self, split, *, batch_size, seed, accelerator, cache, buffer_size, skip_bad_images):
         from datasets.distributed import split_dataset_by_node
 
         self.batch_size, self.seed, self.accelerator = batch_size, seed, accelerator
@@ -75,7 +75,7 @@ class StreamedBatches:
         self.image_column, self.label_of, self.name = split["image_column"], split["label_of"], split["files_name"]
         self.buffer_size, self.skip_bad_images = buffer_size, skip_bad_images
         self.shrink = build_eval_transform(cache)
-        self.threads = threads or max(1, len(os.sched_getaffinity(0)) // max(1, accelerator.num_processes))
+        self.threads = max(1, len(os.sched_getaffinity(0)) // max(1, accelerator.num_processes))  # decoding
         self.batch_sampler, self.dataset = self, None  # the DataLoader's attributes that TrainingRun reads
         self.epoch, self.start, self.read, self.left_out = 1, 0, 0, []
         self._resume_read = None  # this process's examples read in the epoch a checkpoint stopped in
