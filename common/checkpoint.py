@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 from .errors import NothingToDo, UserError
@@ -229,8 +230,6 @@ def say_thread_count(accelerator, checkpoint):
     """On a CPU, a resumed run computing with another number of threads per process than the checkpoint's (a
     2-process launch has 1 each; a plain `python` run, one per core) splits its kernels' sums otherwise: its
     weights come out other than the uninterrupted run's beyond float rounding. Said, with the command that matches."""
-    import torch
-
     theirs, ours = checkpoint.get("threads_per_process"), torch.get_num_threads()
     if accelerator.device.type == "cpu" and isinstance(theirs, int) and theirs != ours:
         accelerator.print(f"{checkpoint['path']} was computed with {theirs} thread(s) per process, this run with "
