@@ -94,16 +94,24 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
 def list_folder_split(data_dir, split):
     """DIR/<split>/<class>/<image> where DIR has that split, else DIR/<class>/<image>, as find_splits lists them."""
     named = (Path(data_dir) / split).is_dir()
-    splits = [] if named or not Path(data_dir).is_dir() else [
-        name for name, kind in sorted(folder_entries(data_dir)) if kind == "dir"
-        and {kind for _, kind in folder_entries(Path(data_dir) / name)} == {"dir"}]
-    if splits:  # DIR/<split>/<class>/<image> without this split: its folders hold folders, not images
+    splits = [] if named or not Path(data_dir).is_dir() else split_names(data_dir)
+    if splits:  # DIR/<split>/<class>/<image> without this split
         raise UserError(f"no split {split!r} in {data_dir} (there are: {', '.join(splits)}): pass --split "
                         f"{' or --split '.join(splits)}")
     files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
     # the check is kept where a training run keeps its own
     return {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",
             "root": Path(data_dir)}
+
+
+def split_names(data_dir):
+    """The folders of `data_dir` when each holds folders only (DIR/<split>/<class>/<image>), else none. A class folder
+    holding a file ends the look: a folder of classes costs one listing of one class folder, not of all."""
+    names = [name for name, kind in sorted(folder_entries(data_dir)) if kind == "dir"]
+    for name in names:
+        if {kind for _, kind in folder_entries(Path(data_dir) / name)} != {"dir"}:
+            return []
+    return names
 
 
 def in_model_classes(dataset, class_names, where):

@@ -103,6 +103,7 @@ def test_a_script_ends_without_the_interpreters_teardown_having_done_what_its_ex
     ending: the atexit handlers, the output flushed, the exit code as sys.exit gives it."""
     program = tmp_path / "exiting.py"
     program.write_text(EXITING)
+    # not run_command: its PYTHONUNBUFFERED would flush the print itself, and the flush at the end is checked here
     result = subprocess.run([sys.executable, program, how], capture_output=True, text=True, timeout=60)
     assert result.returncode == code, result.stderr
     assert result.stdout == "unflushedatexit ran\n"  # and no "torn down": the teardown was skipped
