@@ -1,5 +1,5 @@
 """best/ outside this repository: timm reads a timm model's folder as it is, our own architectures load from the
-README's few lines, and our tools still read a best/ written before config.json existed."""
+docs/after-training.md's few lines, and our tools still read a best/ written before config.json existed."""
 
 import csv
 import json
@@ -64,7 +64,7 @@ def test_a_timm_models_best_is_a_timm_folder_that_timm_loads_without_our_code(tm
     scale = ours.abs().max()
     assert (torch.tensor(theirs["logits_on_our_inputs"]) - ours).abs().max() <= 1e-5 * scale
     # timm's own preprocessing resizes with PIL where ours uses torchvision: pixels at most 1 level of 255 apart,
-    # logits close, the same class but for a near tie (1 of 300 on the real seedlings photos: README)
+    # logits close, the same class but for a near tie (1 of 300 on the real seedlings photos: docs/after-training.md)
     std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
     levels = ((torch.tensor(theirs["images"]) - inputs) * std * 255).abs()
     assert levels.max() <= 1.01, levels.max()
@@ -82,14 +82,14 @@ def test_a_timm_models_best_is_a_timm_folder_that_timm_loads_without_our_code(tm
     assert list(csv.DictReader(open(tmp_path / "old.csv"))) == list(csv.DictReader(open(tmp_path / "new.csv")))
 
 
-def readme_snippet(title):
-    """The python block of README.md that follows the line holding `title`."""
-    text = (REPO / "README.md").read_text()
+def docs_snippet(title):
+    """The python block of docs/after-training.md that follows the line holding `title`."""
+    text = (REPO / "docs" / "after-training.md").read_text()
     return re.search(re.escape(title) + r".*?```python\n(.*?)```", text, re.S).group(1)
 
 
 @pytest.mark.parametrize("architecture", ["resnet18_cifar", "mnist_convnet"])
-def test_our_own_architectures_load_from_the_readmes_lines_without_our_code(tmp_path, architecture):
+def test_our_own_architectures_load_from_the_documented_lines_without_our_code(tmp_path, architecture):
     in_chans = 3 if architecture == "resnet18_cifar" else 1
     meta = describe_model(architecture, [str(n) for n in range(10)], image_size=(28, 28),
                           normalize=([0.5] * in_chans, [0.25] * in_chans), dataset="mnist", arguments={})
@@ -105,7 +105,7 @@ def test_our_own_architectures_load_from_the_readmes_lines_without_our_code(tmp_
     (best / "meta.json").write_text(json.dumps(meta))
     images = torch.randn(4, in_chans, 28, 28)
     torch.save(images, tmp_path / "images.pt")
-    code = re.sub(r"outputs/\w+/best", str(best), readme_snippet(f"`{architecture}`:")) + (
+    code = re.sub(r"outputs/\w+/best", str(best), docs_snippet(f"`{architecture}`:")) + (
         "\nimport sys\nassert not any(name == 'common' or name.startswith('common.') for name in sys.modules)\n"
         "torch.save(model.eval()(torch.load('images.pt')), 'logits.pt')\n")
     loaded = run_command([sys.executable, "-c", code], cwd=tmp_path)
