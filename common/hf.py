@@ -47,7 +47,7 @@ def add_hf_args(parser, *, splits=True, streaming=False):
     if streaming:
         parser.add_argument("--streaming", action="store_true",
                             help="hf: read the training split as a stream while training, never whole on the disk "
-                                 "(needs a held-out split; see README)")
+                                 "(needs a held-out split; see docs/data.md)")
         parser.add_argument("--shuffle_buffer", type=positive_int, default=10000,
                             help="--streaming: examples each process shuffles among (default: %(default)s)")
 

@@ -107,7 +107,7 @@ def timm_config(model, meta):
     """timm's config.json for a timm `model` described by `meta` (None for our own architectures), which makes best/
     a timm folder: `timm.create_model("local-dir:best", pretrained=True)` builds the model with these weights and
     its label names, and `timm.data.resolve_data_config` + `create_transform` preprocess as our evaluation does (PIL
-    resizes where we resize with torchvision: README "After training")."""
+    resizes where we resize with torchvision: docs/after-training.md)."""
     source = getattr(model, "pretrained_cfg", None)
     if source is None:
         return None

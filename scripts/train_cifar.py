@@ -5,7 +5,7 @@ the warm-up and a run's accuracy depended on the draw), random crop (pad 4) + ho
 SGD with Nesterov momentum 0.9, weight decay 5e-4, label smoothing 0.1, one-cycle LR (linear warmup over 20% of the
 steps, then linear decay to 0) peaking at 0.1 for a global batch of 128 and in proportion to the global batch
 otherwise (--lr sets it exactly), batch 128 per process, test accuracy every epoch.
-Accuracy and time: see README "Results" (only what was measured is reported there).
+Accuracy and time: see docs/results.md (only what was measured is reported there).
 
 Data (--data_dir): the official python batches (`cifar-10-batches-py/` or `cifar-10-python.tar.gz`),
 an ImageFolder tree with `train/` and `test/` (or `val/`), or `hf:NAME_OR_PATH` (a Hugging Face dataset with

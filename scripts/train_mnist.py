@@ -9,7 +9,7 @@ higher peak LR (1e-2 at a global batch of 64, scaled by the square root of the g
 --lr is given) on a one-cycle schedule, shuffled data, light label smoothing. Measured on
 Fashion-MNIST with 2 CPU processes on a 2-core Xeon: 89.1-89.8% test accuracy over three seeds,
 22 s for the whole launch in bf16 (the CPU config's, on a CPU with bf16 instructions), 33-35 s in
-fp32; the seed post's script: 84.3% in 28 s; the seed's recipe in our script: 85.7% (README "Results").
+fp32; the seed post's script: 84.3% in 28 s; the seed's recipe in our script: 85.7% (docs/results.md).
 The seed's recipe is `--lr 1e-3 --schedule constant --weight_decay 0 --label_smoothing 0`.
 
 Launch:

@@ -10,7 +10,7 @@ rotation instead of a squashing resize, ImageNet's mean/std unless --mean_std, a
 a 256 resize and center crop. Training drops the last incomplete batch: mixup needs an even batch.
 Options, off by default: for imbalanced folders --class_weights balanced and --sampler balanced; stronger
 augmentation with --auto_augment and --random_erasing; --ema_decay; --patience N (early stopping).
-Accuracy and time: see README "Results" (only what was measured is reported there).
+Accuracy and time: see docs/results.md (only what was measured is reported there).
 
 Data (--data_dir): `DIR/<class>/<image>` (split here: stratified, --val_fraction 0.3, --seed), or
 `DIR/train/<class>/...` + `DIR/val/<class>/...` (for example written by scripts/split_dataset.py), or a Hugging

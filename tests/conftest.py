@@ -378,7 +378,7 @@ def assert_report_shows(page, *, classes, top_losses, label_issues, arguments=Tr
 TIMES = ("images_per_s", "train_time_s", "epoch_time_s")
 # a run continued on another process count: each process computes with one thread, as torchrun gives 2 processes on
 # 2 cores (kernels on another thread count round otherwise, and Adam makes steps of the rounding noise in the zero
-# gradient of a bias right before a BatchNorm: README "Checkpoints and resuming"), and the outcome is the same
+# gradient of a bias right before a BatchNorm: docs/checkpoints.md), and the outcome is the same
 # within ACROSS_COUNTS of each tensor's largest value (the gradients are summed in another order)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 ACROSS_COUNTS = 1e-5

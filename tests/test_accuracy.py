@@ -46,7 +46,7 @@ def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path
 
 def test_accuracy_guard_verdicts():
     guard = load_script("benchmark_accuracy.py")
-    # no recipe named is all four (the README's command; it was refused as "invalid choice: '==SUPPRESS=='")
+    # no recipe named is all four (docs/results.md's command; it was refused as "invalid choice: '==SUPPRESS=='")
     assert guard.parse_args(["--record"]).recipes == [] and guard.parse_args(["digits"]).recipes == ["digits"]
     assert "invalid choice: 'mnist'" in refused("benchmark_accuracy.py", "mnist")
     verdict = guard.verdict

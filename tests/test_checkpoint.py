@@ -216,7 +216,7 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
 @pytest.mark.slow
 def test_a_resume_with_another_thread_count_says_so_and_how_to_match(tmp_path, reference):
     """A 2-process launch computes with 1 thread per process; continued as a plain python process on several cores,
-    the run's sums split otherwise (README: a bias before a BatchNorm moves most): the resume says so."""
+    the run's sums split otherwise (docs/checkpoints.md: a bias before a BatchNorm moves most): the resume says so."""
     run = shutil.copytree(reference(2), tmp_path / "run")
     checkpoint = sorted((run / "checkpoints").glob("epoch_004_batch_*"))[-1]  # a few steps from the end
     assert json.loads((checkpoint / "trainer_state.json").read_text())["threads_per_process"] == 1

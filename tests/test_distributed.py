@@ -391,7 +391,7 @@ def test_fp16_on_a_cpu_is_refused(tmp_path):
 
 
 def test_a_missing_accelerate_config_file_is_named(tmp_path):
-    """Accelerate's own launcher answers this one, before our code runs; the README quotes it."""
+    """Accelerate's own launcher answers this one, before our code runs; docs/checkpoints.md quotes it."""
     result = run_command([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           tmp_path / "4gpus.yaml", MNIST, *DIGITS])
     assert result.returncode != 0
@@ -400,7 +400,7 @@ def test_a_missing_accelerate_config_file_is_named(tmp_path):
 
 def test_a_busy_port_on_the_main_machine_is_named(tmp_path):
     """One machine's launch finds a busy port and picks another; with several machines they must agree on one,
-    so Accelerate's launcher stops and names it (the README says what to do)."""
+    so Accelerate's launcher stops and names it (docs/checkpoints.md says what to do)."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
