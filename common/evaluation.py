@@ -44,12 +44,13 @@ def macro_f1(labels, predictions, *, num_classes):
     return (2 * counts.diag() / both.clamp_min(1)).mean().item()
 
 
-def report_evaluation(accelerator, evaluation, *, output_dir, class_names, dataset, name="test", trained_on=False,
-                      arguments=None):
+def report_evaluation(accelerator, evaluation, *, output_dir, dataset, about=None, trained_on=False):
     """Write an `evaluate` result's classification report, confusion matrix, predictions.csv and mistakes report
-    (with the suspected wrong labels of these images; `trained_on`: the model trained on them; `arguments`: its
-    training run's) into `output_dir`, and print one line: scripts/evaluate.py's reports, and a training run's test
-    set."""
+    (with the suspected wrong labels of these images; `trained_on`: the model trained on them) into `output_dir`,
+    and print one line: scripts/evaluate.py's reports, and a training run's test set. `about`: {"title" (the
+    images, in words), "arguments" (the model's training run's)}, by default {"title": "test"}."""
+    about = about or {"title": "test"}
+    name, class_names = about["title"], dataset.classes
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
@@ -58,8 +59,8 @@ def report_evaluation(accelerator, evaluation, *, output_dir, class_names, datas
         write_predictions(Path(output_dir) / "predictions.csv", evaluation, class_names=class_names, files=files)
         label_issues = find_label_issues(evaluation, class_names=class_names, files=files, split=name,
                                          trained_on=trained_on)
-        write_mistakes_report(output_dir, evaluation=evaluation, dataset=dataset, class_names=class_names,
-                              title=name, label_issues=label_issues, arguments=arguments)
+        write_mistakes_report(output_dir, evaluation=evaluation, dataset=dataset, about=about,
+                              label_issues=label_issues)
         print(f"classification report, {name} ({evaluation['samples']} images):\n{report}")
     accelerator.print(f"{name}: {evaluation['samples']} images, accuracy {100 * evaluation['accuracy']:.2f}%, "
                       f"macro-F1 {evaluation['macro_f1']:.4f}; reports in {output_dir} (open report.html)")

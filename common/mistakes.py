@@ -117,13 +117,13 @@ def _image(row, scores, class_names, files, loss=None):
 
 # ---- the files ----
 
-def write_mistakes_report(output_dir, *, evaluation, dataset, class_names, title, arguments=None, label_issues=None,
-                          training_set=None):
-    """report.html, mistakes.json, losses.csv and label_issues.csv for an `evaluate` result on `dataset`
-    (`label_issues` from `find_label_issues`, on `training_set` when those are training images; main process)."""
+def write_mistakes_report(output_dir, *, evaluation, dataset, about, label_issues=None, training_set=None):
+    """report.html, mistakes.json, losses.csv and label_issues.csv for an `evaluate` result on `dataset` (its labels
+    numbered as its `classes`), headed by `about`: {"title", "arguments" (the model's training run's, or None)};
+    `label_issues` from `find_label_issues`, on `training_set` when those are training images. Main process."""
     output_dir = Path(output_dir)
     files = getattr(dataset, "files", None)
-    mistakes = find_mistakes(evaluation, class_names=class_names, files=files)
+    mistakes = find_mistakes(evaluation, class_names=dataset.classes, files=files)
     losses = mistakes.pop("losses")
     write_csv(output_dir / "losses.csv", losses)
     if label_issues is not None:
@@ -131,10 +131,9 @@ def write_mistakes_report(output_dir, *, evaluation, dataset, class_names, title
         label_issues = {**label_issues, "images": label_issues["images"][:SHOWN]}
     else:
         (output_dir / "label_issues.csv").unlink(missing_ok=True)  # an earlier evaluation's, not of this model
-    summary = {"title": title, **mistakes, "label_issues": label_issues}
+    summary = {"title": about["title"], "arguments": about.get("arguments"), **mistakes, "label_issues": label_issues}
     write_atomically(output_dir / "mistakes.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
-    page = render_report(summary, dataset=dataset, training_set=training_set or dataset, output_dir=output_dir,
-                         arguments=arguments)
+    page = render_report(summary, dataset=dataset, training_set=training_set or dataset, output_dir=output_dir)
     write_atomically(output_dir / "report.html", lambda tmp: tmp.write_text(page))
     return output_dir / "report.html"
 
@@ -181,7 +180,7 @@ addEventListener("load", () => {
 """
 
 
-def render_report(summary, *, dataset, training_set, output_dir, arguments):
+def render_report(summary, *, dataset, training_set, output_dir):
     thumbnails = {}
 
     def gallery(images, *, source=dataset, caption=True):
@@ -243,7 +242,7 @@ def render_report(summary, *, dataset, training_set, output_dir, arguments):
     parts.append(f"<section id=label-issues><h2>Suspected wrong labels</h2>{body}</section>")
 
     argument_rows = "".join(f"<tr><td>{_e(name)}</td><td><code>{_e(json.dumps(value))}</code></td></tr>"
-                            for name, value in sorted((arguments or {}).items()))
+                            for name, value in sorted((summary['arguments'] or {}).items()))
     parts.append(f"<section id=arguments><h2>Arguments</h2><table>{argument_rows}</table></section>")
     links = [name for name in ("mistakes.json", "losses.csv", "label_issues.csv", "classification_report.txt",
                                "classification_report.json", "metrics.jsonl", "predictions.csv")

@@ -303,10 +303,10 @@ class TrainingRun:
                                    f"{self.best_accuracy:.2%}):\n{report}")
             label_issues = None if train_scores is None else find_label_issues(
                 train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
-            page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set,
-                                         class_names=class_names, label_issues=label_issues, training_set=train_set,
-                                         title=f"{self.output_dir}: the model after epoch {self.epoch - 1}",
-                                         arguments=self.model_info["args"])
+            about = {"title": f"{self.output_dir}: the model after epoch {self.epoch - 1}",
+                     "arguments": self.model_info["args"]}
+            page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set, about=about,
+                                         label_issues=label_issues, training_set=train_set)
             self.accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
                                    + (f" ({label_issues['flagged']} suspected wrong labels among the "
                                       f"{label_issues['scored']} training images)" if label_issues else ""))

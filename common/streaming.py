@@ -57,37 +57,26 @@ def example_id(value):
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-class StreamedBatches:
-    """This process's micro-batches of a streamed training split (`common.hf.find_hf_stream`'s "train"), as a
-    DataLoader with MicroBatches would give them: dicts of uint8 images at `cache`'s size, labels and example ids.
-    Also its own batch sampler (`set_epoch`, `micro_batch`, `state_dict`), which TrainingRun drives."""
+class StreamedBatches(MicroBatches):
+    """This process's micro-batches of a streamed training split (`common.hf.find_hf_stream`'s "train"), in the steps
+    MicroBatches plans, as a DataLoader with MicroBatches would give them: dicts of uint8 images, labels and example
+    ids. Also its own batch sampler (`set_epoch`, `micro_batch`, `state_dict`), which TrainingRun drives. `reading`:
+    {"size": the decode cache's spec the images are decoded to, "shuffle_buffer": examples, "skip_bad_images"}."""
 
-    def __init__(self, split, *, batch_size, seed, accelerator, cache, buffer_size, skip_bad_images):
+    def __init__(self, split, *, batch_size, seed, accelerator, reading):
         from datasets.distributed import split_dataset_by_node
 
-        self.batch_size, self.seed, self.accelerator = batch_size, seed, accelerator
-        self.rank, self.num_processes = accelerator.process_index, accelerator.num_processes
-        self.accumulation = accelerator.gradient_accumulation_steps
-        self.per_step = self.num_processes * self.accumulation
-        self.num_samples = split["num_examples"]
-        self.steps_per_epoch = self.num_samples // batch_size // self.per_step  # planned; fewer if a share ends first
+        # the steps planned for an epoch; fewer if a process's share of the stream ends first
+        super().__init__(split["num_examples"], batch_size=batch_size, seed=seed, accelerator=accelerator)
+        self.accelerator, self.num_processes = accelerator, accelerator.num_processes
         self.stream = split_dataset_by_node(split["stream"], rank=self.rank, world_size=self.num_processes)
         self.image_column, self.label_of, self.name = split["image_column"], split["label_of"], split["files_name"]
-        self.buffer_size, self.skip_bad_images = buffer_size, skip_bad_images
-        self.shrink = build_eval_transform(cache)
+        self.buffer_size, self.skip_bad_images = reading["shuffle_buffer"], reading["skip_bad_images"]
+        self.shrink = build_eval_transform(reading["size"])
         self.threads = max(1, len(os.sched_getaffinity(0)) // max(1, accelerator.num_processes))  # decoding
         self.batch_sampler, self.dataset = self, None  # the DataLoader's attributes that TrainingRun reads
-        self.epoch, self.start, self.read, self.left_out = 1, 0, 0, []
+        self.read, self.left_out = 0, []
         self._resume_read = None  # this process's examples read in the epoch a checkpoint stopped in
-
-    def set_epoch(self, epoch, start=0):
-        assert start % self.per_step == 0, "an epoch is resumed at an optimizer step"
-        self.epoch, self.start = epoch, start
-
-    def __len__(self):
-        return (self.steps_per_epoch - self.start // self.per_step) * self.accumulation
-
-    micro_batch = MicroBatches.micro_batch
 
     def state_dict(self):
         """Every process's examples read so far in the epoch (a collective: every process calls it)."""

@@ -164,9 +164,9 @@ def main(args):
     transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
     evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta == "flip")
     tta = ", flip TTA" if args.tta == "flip" else ""
-    report_evaluation(accelerator, evaluation, output_dir=output_dir, class_names=meta["class_names"],
-                      dataset=dataset, name=f"{args.data_dir or kind} ({kind}, {args.split}{tta})",
-                      trained_on=args.split == "train", arguments=meta.get("args"))
+    about = {"title": f"{args.data_dir or kind} ({kind}, {args.split}{tta})", "arguments": meta.get("args")}
+    report_evaluation(accelerator, evaluation, output_dir=output_dir, dataset=dataset, about=about,
+                      trained_on=args.split == "train")
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return evaluation

@@ -144,8 +144,7 @@ def main(args):
                             accelerator, transform=transform) if args.find_label_issues else None
     if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
         test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=transform)
-        report_evaluation(accelerator, test, output_dir=output_dir / "test", class_names=train_set.classes,
-                          dataset=test_set)
+        report_evaluation(accelerator, test, output_dir=output_dir / "test", dataset=test_set)
     run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)
 
 

@@ -147,7 +147,8 @@ def main(args):
         cache_images = True
         train_set = train_dataloader = StreamedBatches(
             train_split, batch_size=args.batch_size, seed=args.seed, accelerator=accelerator,
-            cache=training_cache(eval_spec), buffer_size=args.shuffle_buffer, skip_bad_images=args.skip_bad_images)
+            reading={"size": training_cache(eval_spec), "shuffle_buffer": args.shuffle_buffer,
+                     "skip_bad_images": args.skip_bad_images})
         eval_set = decode_streamed_split(val_split, cache=eval_spec)
     else:
         cache_images, cache_rule = choose_cache(args.cache_images, size=eval_spec["resize"],

@@ -449,3 +449,20 @@ def test_micro_batches_are_the_same_global_steps_on_any_process_count():
         process_index=0, num_processes=1, gradient_accumulation_steps=8))
     other_epoch.set_epoch(4)
     assert [tuple(batch) for batch in other_epoch] != [batch for step in reference for _, batch in step]
+
+
+def test_no_function_in_common_takes_more_than_six_parameters():
+    """What travels together is passed together: no function or method of common/ takes more than 6 parameters from
+    its caller (a method's self or cls is not one)."""
+    import ast
+
+    crowded = []
+    for source in sorted((REPO / "common").glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args
+                names = [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+                count = len(names) - (names[:1] in (["self"], ["cls"])) + bool(arguments.vararg) + bool(arguments.kwarg)
+                if count > 6:
+                    crowded.append(f"{source.name}:{node.lineno} {node.name} ({count})")
+    assert not crowded, crowded

@@ -329,8 +329,8 @@ def test_a_corrupt_image_in_a_hf_dataset_is_named_by_its_row_and_file(tmp_path, 
                           gather=lambda tensor: tensor, print=print)
 
     def stream(skip_bad_images):
-        return StreamedBatches(train, batch_size=4, seed=42, accelerator=one, cache={"resize": 32, "center_crop": 32},
-                               buffer_size=8, skip_bad_images=skip_bad_images)
+        return StreamedBatches(train, batch_size=4, seed=42, accelerator=one, reading={
+            "size": {"resize": 32, "center_crop": 32}, "shuffle_buffer": 8, "skip_bad_images": skip_bad_images})
 
     with pytest.raises(UserError, match=rf"cannot read image hf:{re.escape(str(tmp_path / 'streamed'))}\[train\] "
                                         r"broken\.png \(example \d+ as read\): .*--skip_bad_images"):
