@@ -24,10 +24,11 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:
         write_metrics(output_dir, [*read_metrics(output_dir), record])
+    tta = f", {record['val_tta'].replace('_', ' + ')} TTA" if record.get("val_tta", "none") != "none" else ""
     ema = f"ema_val_accuracy {100 * record['ema_val_accuracy']:.2f}%  " if "ema_val_accuracy" in record else ""
     accelerator.print(
         f"epoch {epoch}/{epochs}  train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  "
-        f"val_accuracy {100 * record['val_accuracy']:.2f}% ({record['val_samples']} images)  {ema}"
+        f"val_accuracy {100 * record['val_accuracy']:.2f}% ({record['val_samples']} images{tta})  {ema}"
         f"lr {lr:.2e}  {record['images_per_s']:,.0f} img/s  {epoch_time_s:.1f}s"
     )
     return record

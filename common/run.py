@@ -246,7 +246,7 @@ class TrainingRun:
                   "train_samples": samples, "train_unique_samples": len(totals["indices"]),
                   "train_samples_per_process": totals["samples_per_process"],
                   "images_per_s": self._pace["images_per_s"], "train_time_s": self._pace["time"],
-                  **{f"val_{name}": evaluation[name] for name in ("loss", "accuracy", "macro_f1", "samples")},
+                  **{f"val_{name}": evaluation[name] for name in ("loss", "accuracy", "macro_f1", "samples", "tta")},
                   "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
         if ema_evaluation:
             record.update({f"ema_val_{name}": ema_evaluation[name] for name in ("loss", "accuracy", "macro_f1")})
@@ -260,7 +260,7 @@ class TrainingRun:
             self.best_accuracy, self.best_epoch = evaluation["accuracy"], self.epoch
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
-                                  "metric": "val_accuracy", "value": evaluation["accuracy"]})
+                                  "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"]})
 
     @names_the_last_checkpoint
     def save_checkpoint(self):

@@ -32,7 +32,7 @@ from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E
 from common.decode_cache import decode_split  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.evaluation import evaluate, report_evaluation  # noqa: E402
+from common.evaluation import TTA, evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
@@ -56,8 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--split", default="test", help="test, train, or a folder's split name (default: %(default)s)")
     parser.add_argument("--output_dir", default=None, help="where the reports go (default: MODEL_DIR/../evaluation)")
     parser.add_argument("--overwrite", action="store_true", help="replace reports that are there already")
-    parser.add_argument("--tta", choices=["none", "flip"], default="none",
-                        help="flip: average with the horizontally mirrored image (default: %(default)s)")
+    parser.add_argument("--tta", choices=TTA, default="none",
+                        help="flip: average with the horizontally mirrored image; flip_translate: and with 1-pixel "
+                             "shifts (default: %(default)s)")
     parser.add_argument("--batch_size", type=positive_int, default=256, help="per process (default: %(default)s)")
     parser.add_argument("--num_workers", type=nonnegative_int, default=None,
                         help="DataLoader workers per process, folder datasets (default: from the cores per process)")
@@ -162,8 +163,8 @@ def main(args):
                                            num_workers=args.num_workers)
     model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
     transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
-    evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta == "flip")
-    tta = ", flip TTA" if args.tta == "flip" else ""
+    evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta)
+    tta = f", {args.tta.replace('_', ' + ')} TTA" if args.tta != "none" else ""
     about = {"title": f"{args.data_dir or kind} ({kind}, {args.split}{tta})", "arguments": meta.get("args")}
     report_evaluation(accelerator, evaluation, output_dir=output_dir, dataset=dataset, about=about,
                       trained_on=args.split == "train")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
+from common.evaluation import TTA, probabilities  # noqa: E402
 from common.exported import load_exported  # noqa: E402
 from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
@@ -40,6 +41,9 @@ def parse_args(argv=None):
                         help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
     parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")
+    parser.add_argument("--tta", choices=TTA, default="none",
+                        help="flip: average with the horizontally mirrored image; flip_translate: and with 1-pixel "
+                             "shifts (default: %(default)s)")
     parser.add_argument("--batch_size", type=positive_int, default=64, help="per process (default: %(default)s)")
     parser.add_argument("--num_workers", type=nonnegative_int, default=None,
                         help="DataLoader workers per process that decode the images (default: from the cores per "
@@ -78,8 +82,8 @@ def main(args):
     top_k = min(args.top_k, len(classes))
     found = []  # (index, ok, top-k probabilities, top-k classes) of every image, in input order
     for batch in dataloader:
-        probabilities = model(preprocess(batch["image"], normalize=(meta["mean"], meta["std"]))).float().softmax(1)
-        top = probabilities.topk(top_k, dim=1)
+        top = probabilities(model, preprocess(batch["image"], normalize=(meta["mean"], meta["std"])),
+                            tta=args.tta).topk(top_k, dim=1)
         # gather per batch: gather_for_metrics drops the last batch's padding while it iterates that batch
         found.append([t.cpu() for t in accelerator.gather_for_metrics((batch["index"], batch["ok"], *top))])
     index, ok, values, labels = (torch.cat(parts) for parts in zip(*found))
@@ -98,7 +102,9 @@ def main(args):
     if accelerator.is_main_process:
         write_atomically(args.output, write)
     skipped = len(paths) - len(rows)
-    accelerator.print(f"predicted {len(rows)} images -> {args.output}" + (f"; skipped {skipped} unreadable" if skipped else ""))
+    tta = f" ({args.tta.replace('_', ' + ')} TTA)" if args.tta != "none" else ""
+    accelerator.print(f"predicted {len(rows)} images{tta} -> {args.output}"
+                      + (f"; skipped {skipped} unreadable" if skipped else ""))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
     return rows

@@ -132,8 +132,8 @@ def main(args):
             run.record(loss, batch)  # the epoch's totals
             if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
                 run.save_checkpoint()  # after a SIGTERM the run stops here, saved (exit 143)
-        evaluation = evaluate(model, eval_dataloader, accelerator, transform=transform)
-        ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=transform) if ema else None
+        evaluation = evaluate(model, eval_dataloader, accelerator, transform=transform, tta=args.tta)
+        ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=transform, tta=args.tta) if ema else None
         run.log_epoch(evaluation, ema_evaluation)
         run.save_best(model, evaluation)  # best/ when validation accuracy improved
         if ema:
@@ -143,7 +143,7 @@ def main(args):
     train_scores = evaluate(model, accelerator.prepare(build_dataloader(train_set, batch_size=args.batch_size)),
                             accelerator, transform=transform) if args.find_label_issues else None
     if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
-        test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=transform)
+        test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=transform, tta=args.tta)
         report_evaluation(accelerator, test, output_dir=output_dir / "test", dataset=test_set)
     run.finish(evaluation, eval_set=eval_set, train_scores=train_scores, train_set=train_set)
 

@@ -9,16 +9,18 @@ from conftest import load_script, refused, script
 
 
 def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path, cifar_jpegs):
-    """CIFAR-10's defaults at the per-image LR of the 2-process default (0.05 at a batch of 64 = 0.2 at 256), its
-    warm-up squeezed into 10 steps on 151 real images. The loss must only come down: before the residual blocks
-    started as the identity, seed 42 rose to 3.5 in the second epoch of two steps (a mean of 4-9 at the
-    full budget's steps 12-17), and where a run landed depended on the draw."""
+    """CIFAR-10's defaults at the per-image LR of the 2-process default (0.1 at a batch of 64 = 0.4 at 256), its
+    warm-up squeezed into 10 steps on 151 real images. Each epoch's loss must be lower than the one before (seeds 42,
+    1, 2, bf16 or fp32: at least 0.015 lower): before the residual blocks started as the identity, seed 42 rose to 3.5
+    in the second epoch of two steps (a mean of 4-9 at the full budget's steps 12-17) and where a run landed depended
+    on the draw; at today's peak, without the identity start it rises by 0.04, without the clipping to norm 1 by 0.06
+    (and the guard's budget then lands at 18% instead of 31%: docs/results.md)."""
     result = script("train_cifar.py", "--data_dir", cifar_jpegs, "--batch_size", 64, "--epochs", 5,
                     "--output_dir", tmp_path / "run")
     assert result.returncode == 0, result.output
     losses = [json.loads(line)["train_loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 5
-    assert max(losses[1:]) <= losses[0] + 0.05, losses  # ln(10) = 2.30 and a little at the start
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.1, losses
 
 

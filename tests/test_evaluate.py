@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import shutil
 
 import numpy as np
@@ -91,6 +92,52 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
     assert [int(r["prediction"]) for r in tta] == probabilities.argmax(1).tolist()
     assert np.allclose([float(r["probability"]) for r in tta], probabilities.max(1).values.numpy(), atol=1e-5)
     assert [r["prediction"] for r in tta] != [r["prediction"] for r in ours]  # the mirror changed some
+
+    # flip + translate: the mirror-averaged image, averaged with the mirror-averaged views shifted by one pixel up-left
+    # and down-right, reflect-padded (the fast CIFAR-10 recipe's evaluation)
+    shifted = script("evaluate.py", "--model_dir", digits_run / "best", "--output_dir", tmp_path / "tta2",
+                     "--tta", "flip_translate", "--mixed_precision", "no")
+    assert shifted.returncode == 0, shifted.output
+    padded = torch.nn.functional.pad(images, (1, 1, 1, 1), mode="reflect")
+    with torch.no_grad():
+        views = [padded[:, :, :8, :8], padded[:, :, 2:, 2:]]
+        translated = sum((model(v).softmax(1) + model(v.flip(3)).softmax(1)) / 2 for v in views) / 2
+    expected = (probabilities + translated) / 2
+    both = rows(tmp_path / "tta2" / "predictions.csv")
+    assert [int(r["prediction"]) for r in both] == expected.argmax(1).tolist()
+    assert np.allclose([float(r["probability"]) for r in both], expected.max(1).values.numpy(), atol=1e-5)
+    assert "(digits, test, flip + translate TTA)" in json.loads((tmp_path / "tta2" / "mistakes.json").read_text())["title"]
+
+
+def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path):
+    """--tta in training: each epoch's evaluation averages the views (said in its line, metrics.jsonl and best/), and
+    evaluate.py and predict.py with the same --tta score best/ as the run did."""
+    run = tmp_path / "run"
+    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 2, "--tta", "flip_translate",
+                    "--mixed_precision", "no", "--output_dir", run)
+    assert result.returncode == 0, result.output
+    assert re.search(r"epoch 2/2 .* val_accuracy [\d.]+% \(450 images, flip \+ translate TTA\)", result.output)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["val_tta"] for m in metrics] == ["flip_translate"] * 2
+    meta = json.loads((run / "best" / "meta.json").read_text())
+    assert meta["tta"] == "flip_translate" and meta["args"]["tta"] == "flip_translate"
+    again = script("evaluate.py", "--model_dir", run / "best", "--tta", "flip_translate", "--mixed_precision", "no",
+                   "--output_dir", tmp_path / "evaluation")
+    assert again.returncode == 0 and f"accuracy {100 * meta['value']:.2f}%" in again.output, again.output
+    expected = rows(run / "best" / "val_predictions.csv")
+    assert [r["prediction"] for r in rows(tmp_path / "evaluation" / "predictions.csv")] == [
+        r["prediction"] for r in expected]
+
+    from test_predict import write_test_pngs
+
+    (tmp_path / "images").mkdir()
+    write_test_pngs(tmp_path / "images")
+    predicted = script("predict.py", "--model_dir", run / "best", "--tta", "flip_translate", "--mixed_precision",
+                       "no", "--output", tmp_path / "out.csv", tmp_path / "images")
+    assert predicted.returncode == 0 and "predicted 450 images (flip + translate TTA)" in predicted.output
+    assert [r["class_1"] for r in rows(tmp_path / "out.csv")] == [r["prediction"] for r in expected]
+    assert np.allclose([float(r["probability_1"]) for r in rows(tmp_path / "out.csv")],
+                       [float(r["probability"]) for r in expected], atol=2e-6)
 
 
 def test_a_folder_with_fewer_classes_is_matched_by_name_and_an_unknown_class_is_refused(tmp_path, seedlings):
