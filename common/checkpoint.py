@@ -126,12 +126,17 @@ def restore_args(args, saved, *, parse_args):
             argv += [f"--{name}", str(value)]
     ArgumentParser.raise_errors = True
     try:
-        return parse_args(argv)
+        parsed = parse_args(argv)
     except UserError as error:
         raise UserError(f"the arguments saved in the checkpoint (trainer_state.json) are not valid ({error}); was "
                         "the file edited? Resume from another checkpoint, or fix the value.") from None
     finally:
         ArgumentParser.raise_errors = False
+    # unset where the recipe has set a default since (a checkpoint from before CIFAR-10 clipped to norm 1): unset
+    for name, value in restored.items():
+        if value is None:
+            setattr(parsed, name, None)
+    return parsed
 
 
 def find_checkpoint(output_dir, resume):

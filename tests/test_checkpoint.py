@@ -93,6 +93,12 @@ def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
     for name, value in (("lr", -1), ("epochs", "many"), ("schedule", "linear")):
         with pytest.raises(UserError, match=f"arguments saved in the checkpoint .* are not valid .*argument --{name}"):
             restore_args(given, {**saved, name: value}, parse_args=parse_args)
+    # a flag the checkpoint left unset keeps no value even where the recipe has a default now (CIFAR-10 has clipped
+    # to norm 1 since 2026-11-27): the run goes on as it started
+    cifar = load_script("train_cifar.py").parse_args
+    older = {**vars(cifar([])), "max_grad_norm": None}
+    assert cifar([]).max_grad_norm == 1.0
+    assert restore_args(cifar(["--resume", "latest"]), older, parse_args=cifar).max_grad_norm is None
 
 
 def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repaired(tmp_path):
