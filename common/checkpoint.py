@@ -132,7 +132,7 @@ def restore_args(args, saved, *, parse_args):
                         "the file edited? Resume from another checkpoint, or fix the value.") from None
     finally:
         ArgumentParser.raise_errors = False
-    # unset where the recipe has set a default since (a checkpoint from before CIFAR-10 clipped to norm 1): unset
+    # what the checkpoint left unset stays unset where the recipe has a default since (CIFAR-10's clipping to norm 1)
     for name, value in restored.items():
         if value is None:
             setattr(parsed, name, None)

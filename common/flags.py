@@ -113,6 +113,17 @@ def device(text):
     return text
 
 
+def add_tta_arg(parser, *, training=False):
+    """--tta: the training scripts average each epoch's evaluation (and the test set's) over it, the tools their
+    images."""
+    images = ("each epoch's evaluation and the test set's (the suspected-label pass stays plain)" if training
+              else "the images")
+    parser.add_argument("--tta", choices=TTA, default="none",
+                        help=f"test-time augmentation of {images}: flip (averaged with the mirror image), "
+                             "flip_translate (and with 1-pixel shifts, the fast CIFAR-10 recipe's; default: "
+                             "%(default)s)")
+
+
 def add_common_args(parser):
     """The flags every training script has; each script sets its recipe's defaults (`parser.set_defaults`), so they
     stay visible there. The runtime ones may change when a run is resumed."""
@@ -149,10 +160,7 @@ def add_common_args(parser):
     parser.add_argument("--ema_decay", type=number(float, min=0, max=1, min_open=True, max_open=True), default=None,
                         help="also keep an exponential moving average of the weights (e.g. 0.999), evaluated beside "
                              "them every epoch; best/ takes the better (default: off)")
-    parser.add_argument("--tta", choices=TTA, default="none",
-                        help="test-time augmentation of each epoch's evaluation and the test set's: flip (averaged "
-                             "with the mirror image), flip_translate (and with 1-pixel shifts, the fast CIFAR-10 "
-                             "recipe's); the suspected-label pass stays plain (default: %(default)s)")
+    add_tta_arg(parser, training=True)
     parser.add_argument("--max_grad_norm", type=nonnegative_float, default=None,
                         help="clip gradients to this norm, 0: not clipped (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,

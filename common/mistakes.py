@@ -242,7 +242,7 @@ def render_report(summary, *, dataset, training_set, output_dir):
     parts.append(f"<section id=label-issues><h2>Suspected wrong labels</h2>{body}</section>")
 
     argument_rows = "".join(f"<tr><td>{_e(name)}</td><td><code>{_e(json.dumps(value))}</code></td></tr>"
-                            for name, value in sorted((summary['arguments'] or {}).items()))
+                            for name, value in sorted((summary["arguments"] or {}).items()))
     parts.append(f"<section id=arguments><h2>Arguments</h2><table>{argument_rows}</table></section>")
     links = [name for name in ("mistakes.json", "losses.csv", "label_issues.csv", "classification_report.txt",
                                "classification_report.json", "metrics.jsonl", "predictions.csv")

@@ -18,13 +18,18 @@ def describe_launch(accelerator, *, batch_size, grad_accum):
             f"= {batch_size} per process x {accelerator.num_processes} processes x {grad_accum} accumulation steps")
 
 
+def describe_tta(tta):
+    """A --tta, in words: "flip + translate TTA" ("" for none)."""
+    return "" if tta == "none" else f"{tta.replace('_', ' + ')} TTA"
+
+
 def log_epoch(accelerator, output_dir, record, *, epochs):
     """Append the epoch's record to metrics.jsonl, send it to the trackers, print one summary line."""
     epoch, lr, epoch_time_s = record["epoch"], record["lr"], record["epoch_time_s"]
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:
         write_metrics(output_dir, [*read_metrics(output_dir), record])
-    tta = f", {record['val_tta'].replace('_', ' + ')} TTA" if record.get("val_tta", "none") != "none" else ""
+    tta = f", {describe_tta(record['val_tta'])}" if record.get("val_tta", "none") != "none" else ""
     ema = f"ema_val_accuracy {100 * record['ema_val_accuracy']:.2f}%  " if "ema_val_accuracy" in record else ""
     accelerator.print(
         f"epoch {epoch}/{epochs}  train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  "

@@ -32,14 +32,15 @@ from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E
 from common.decode_cache import decode_split  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.evaluation import TTA, evaluate, report_evaluation  # noqa: E402
-from common.flags import ArgumentParser, nonnegative_int, positive_int  # noqa: E402
+from common.evaluation import evaluate, report_evaluation  # noqa: E402
+from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
 from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
+from common.reporting import describe_tta  # noqa: E402
 
 IN_MEMORY_DATASETS = cifar.DATASETS | mnist.DATASETS  # by the name best/meta.json records, as "dataset"
 DATASETS = (*IN_MEMORY_DATASETS, "folder")
@@ -56,9 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--split", default="test", help="test, train, or a folder's split name (default: %(default)s)")
     parser.add_argument("--output_dir", default=None, help="where the reports go (default: MODEL_DIR/../evaluation)")
     parser.add_argument("--overwrite", action="store_true", help="replace reports that are there already")
-    parser.add_argument("--tta", choices=TTA, default="none",
-                        help="flip: average with the horizontally mirrored image; flip_translate: and with 1-pixel "
-                             "shifts (default: %(default)s)")
+    add_tta_arg(parser)
     parser.add_argument("--batch_size", type=positive_int, default=256, help="per process (default: %(default)s)")
     parser.add_argument("--num_workers", type=nonnegative_int, default=None,
                         help="DataLoader workers per process, folder datasets (default: from the cores per process)")
@@ -164,8 +163,9 @@ def main(args):
     model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
     transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
     evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta)
-    tta = f", {args.tta.replace('_', ' + ')} TTA" if args.tta != "none" else ""
-    about = {"title": f"{args.data_dir or kind} ({kind}, {args.split}{tta})", "arguments": meta.get("args")}
+    tta = describe_tta(args.tta)
+    about = {"title": f"{args.data_dir or kind} ({kind}, {args.split}{', ' + tta if tta else ''})",
+             "arguments": meta.get("args")}
     report_evaluation(accelerator, evaluation, output_dir=output_dir, dataset=dataset, about=about,
                       trained_on=args.split == "train")
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort

@@ -22,13 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.evaluation import TTA, probabilities  # noqa: E402
+from common.evaluation import probabilities  # noqa: E402
 from common.exported import load_exported  # noqa: E402
-from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
+from common.flags import ArgumentParser, add_tta_arg, device, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
 from common.models import load_best_model  # noqa: E402
 from common.outputs import write_atomically  # noqa: E402
+from common.reporting import describe_tta  # noqa: E402
 from common.tools import ImageFiles, check_output_file, find_images  # noqa: E402
 
 
@@ -41,9 +42,7 @@ def parse_args(argv=None):
                         help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
     parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")
-    parser.add_argument("--tta", choices=TTA, default="none",
-                        help="flip: average with the horizontally mirrored image; flip_translate: and with 1-pixel "
-                             "shifts (default: %(default)s)")
+    add_tta_arg(parser)
     parser.add_argument("--batch_size", type=positive_int, default=64, help="per process (default: %(default)s)")
     parser.add_argument("--num_workers", type=nonnegative_int, default=None,
                         help="DataLoader workers per process that decode the images (default: from the cores per "
@@ -102,7 +101,7 @@ def main(args):
     if accelerator.is_main_process:
         write_atomically(args.output, write)
     skipped = len(paths) - len(rows)
-    tta = f" ({args.tta.replace('_', ' + ')} TTA)" if args.tta != "none" else ""
+    tta = f" ({describe_tta(args.tta)})" if args.tta != "none" else ""
     accelerator.print(f"predicted {len(rows)} images{tta} -> {args.output}"
                       + (f"; skipped {skipped} unreadable" if skipped else ""))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort

@@ -244,7 +244,8 @@ def main(args):
             if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
                 run.save_checkpoint()  # after a SIGTERM the run stops here, saved (exit 143)
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform, tta=args.tta)
-        ema_evaluation = evaluate(ema, eval_dataloader, accelerator, transform=eval_transform, tta=args.tta) if ema else None
+        ema_evaluation = (evaluate(ema, eval_dataloader, accelerator, transform=eval_transform, tta=args.tta)
+                          if ema else None)
         run.log_epoch(evaluation, ema_evaluation)
         run.save_best(model, evaluation)  # best/ when validation accuracy improved
         if ema:

@@ -106,7 +106,8 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
     both = rows(tmp_path / "tta2" / "predictions.csv")
     assert [int(r["prediction"]) for r in both] == expected.argmax(1).tolist()
     assert np.allclose([float(r["probability"]) for r in both], expected.max(1).values.numpy(), atol=1e-5)
-    assert "(digits, test, flip + translate TTA)" in json.loads((tmp_path / "tta2" / "mistakes.json").read_text())["title"]
+    title = json.loads((tmp_path / "tta2" / "mistakes.json").read_text())["title"]
+    assert "(digits, test, flip + translate TTA)" in title
 
 
 def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path):
