@@ -392,6 +392,11 @@ def close(ours, theirs, rel):
     return ours.shape == theirs.shape and bool((ours - theirs).abs().max() <= rel * theirs.abs().max())
 
 
+def same_value(ours, theirs, rel):
+    """A metrics.jsonl value: numbers (and lists of them) within `rel`, words (`val_tta`) exactly."""
+    return ours == theirs if isinstance(theirs, str) else ours == pytest.approx(theirs, rel=rel)
+
+
 def assert_same_outcome(run, reference, *, checkpoint, rel, per_process=True):
     """Same weights (and EMA weights), optimizer state, metrics and best-model predictions as `reference`, each
     tensor within `rel` of its largest value. `per_process`: also the same samples per process (same count)."""
@@ -408,7 +413,7 @@ def assert_same_outcome(run, reference, *, checkpoint, rel, per_process=True):
     for record, expected in zip(ours, theirs):
         assert record.keys() == expected.keys()
         left_out = TIMES + (() if per_process else ("train_samples_per_process",))
-        assert all(record[k] == pytest.approx(expected[k], rel=rel) for k in record if k not in left_out), (
+        assert all(same_value(record[k], expected[k], rel) for k in record if k not in left_out), (
             record, expected)
     ours, theirs = ([line.split(",") for line in (r / "best" / "val_predictions.csv").read_text().splitlines()[1:]]
                     for r in (run, reference))

@@ -97,7 +97,7 @@ def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
     # to norm 1 since 2026-11-27): the run goes on as it started
     cifar = load_script("train_cifar.py").parse_args
     older = {**vars(cifar([])), "max_grad_norm": None}
-    assert cifar([]).max_grad_norm == 1.0
+    assert cifar([]).max_grad_norm == 1.0 and cifar(["--max_grad_norm", "0"]).max_grad_norm == 0  # 0: off
     assert restore_args(cifar(["--resume", "latest"]), older, parse_args=cifar).max_grad_norm is None
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from common.mnist import build_digits
 from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
                       descendants, kill_everything, launch_command, launch_warm, read_run, run_command, spawn, wait_for,
-                      script, worker_pid)
+                      same_value, script, worker_pid)
 
 pytestmark = pytest.mark.slow
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -139,7 +139,7 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     ours, theirs = ([{k: v for k, v in record.items() if k not in times} for record in read_run(run)[0]]
                     for run in (output_dir, tmp_path / "reference"))
     assert [record["epoch"] for record in ours] == [1, 2, 3, 4]
-    assert all(a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
+    assert all(a.keys() == b.keys() and all(same_value(a[k], b[k], 1e-6) for k in a)
                for a, b in zip(ours, theirs)), (ours, theirs)
     weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors")
                for run in (output_dir, tmp_path / "reference")]
