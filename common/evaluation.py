@@ -11,14 +11,10 @@ from .mistakes import find_label_issues, write_mistakes_report
 from .reporting import write_predictions, write_reports
 
 
-# test-time augmentation, by name: the views whose probabilities are averaged (--tta)
-TTA = ("none", "flip", "flip_translate")
-
-
 def probabilities(model, images, *, tta="none"):
-    """The model's class probabilities for a batch of transformed images (float32). `tta` "flip": averaged with the
-    horizontal mirror's; "flip_translate": that, averaged with the flip-averaged views shifted one pixel up-left and
-    one down-right (reflect padding), as the fast CIFAR-10 recipe's evaluation does."""
+    """The model's class probabilities for a batch of transformed images (float32). `tta` (common.flags.TTA) "flip":
+    averaged with the horizontal mirror's; "flip_translate": that, averaged with the flip-averaged views shifted one
+    pixel up-left and one down-right (reflect padding), as the fast CIFAR-10 recipe's evaluation does."""
     def flip_averaged(views):
         return (model(views).float().softmax(1) + model(views.flip(3)).float().softmax(1)) / 2
 

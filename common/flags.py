@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, exit_with_message
-from .evaluation import TTA
 from .optim import SCHEDULES
 
 
@@ -111,6 +110,10 @@ def device(text):
         raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices; "
                                          "use --device cpu")
     return text
+
+
+# test-time augmentation, by name: the views whose probabilities common.evaluation.probabilities averages
+TTA = ("none", "flip", "flip_translate")
 
 
 def add_tta_arg(parser, *, training=False):

@@ -29,7 +29,8 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:
         write_metrics(output_dir, [*read_metrics(output_dir), record])
-    tta = f", {describe_tta(record['val_tta'])}" if record.get("val_tta", "none") != "none" else ""
+    tta = describe_tta(record.get("val_tta", "none"))
+    tta = f", {tta}" if tta else ""
     ema = f"ema_val_accuracy {100 * record['ema_val_accuracy']:.2f}%  " if "ema_val_accuracy" in record else ""
     accelerator.print(
         f"epoch {epoch}/{epochs}  train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  "

@@ -101,8 +101,8 @@ def main(args):
     if accelerator.is_main_process:
         write_atomically(args.output, write)
     skipped = len(paths) - len(rows)
-    tta = f" ({describe_tta(args.tta)})" if args.tta != "none" else ""
-    accelerator.print(f"predicted {len(rows)} images{tta} -> {args.output}"
+    tta = describe_tta(args.tta)
+    accelerator.print(f"predicted {len(rows)} images{f' ({tta})' if tta else ''} -> {args.output}"
                       + (f"; skipped {skipped} unreadable" if skipped else ""))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process
