@@ -66,14 +66,15 @@ def report_evaluation(accelerator, evaluation, *, output_dir, dataset, about=Non
     images, in words), "arguments" (the model's training run's)}, by default {"title": "test"}."""
     about = about or {"title": "test"}
     name, class_names = about["title"], dataset.classes
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    report = write_reports(accelerator, output_dir, evaluation=evaluation, class_names=class_names, curves=False)
     if accelerator.is_main_process:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        report = write_reports(output_dir, labels=evaluation["labels"], predictions=evaluation["predictions"],
-                               class_names=class_names, curves=False)
         files = getattr(dataset, "files", None)
         write_predictions(Path(output_dir) / "predictions.csv", evaluation, class_names=class_names, files=files)
         label_issues = find_label_issues(evaluation, class_names=class_names, files=files, split=name,
                                          trained_on=trained_on)
+    accelerator.wait_for_everyone()  # the plots drawn: report.html embeds them
+    if accelerator.is_main_process:
         write_mistakes_report(output_dir, evaluation=evaluation, dataset=dataset, about=about,
                               label_issues=label_issues)
         print(f"classification report, {name} ({evaluation['samples']} images):\n{report}")

@@ -3,6 +3,7 @@ matplotlib and scikit-learn are imported where the reports are written: a run ne
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -70,23 +71,42 @@ def write_predictions(path, evaluation, *, class_names, files=None):
     write_atomically(path, write)
 
 
-def write_reports(output_dir, *, labels, predictions, class_names, curves=True):
-    """classification_report.txt/.json, confusion_matrix.png and (`curves`) curves.png; returns the text report."""
-    from sklearn.metrics import classification_report, confusion_matrix
-
+def write_reports(accelerator, output_dir, *, evaluation, class_names, curves=True):
+    """classification_report.txt/.json on the main process, which gets the text report back (the others None);
+    confusion_matrix.png and (`curves`) curves.png on `plotting_process`, at the same time where that is another
+    process. Every process calls it; the plots are on disk once the caller's next `wait_for_everyone` returns."""
     output_dir = Path(output_dir)
-    label_ids = list(range(len(class_names)))
-    kwargs = dict(labels=label_ids, target_names=class_names, digits=4, zero_division=0)
+    labels, predictions = evaluation["labels"], evaluation["predictions"]
+    if accelerator.process_index == plotting_process(accelerator):
+        plot_confusion_matrix(output_dir / "confusion_matrix.png",
+                              confusion_matrix(labels, predictions, len(class_names)), class_names)
+        if curves:
+            plot_curves(output_dir / "curves.png", read_metrics(output_dir))
+    if not accelerator.is_main_process:
+        return None
+    from sklearn.metrics import classification_report
+
+    kwargs = dict(labels=list(range(len(class_names))), target_names=class_names, digits=4, zero_division=0)
     text = classification_report(labels, predictions, **kwargs)
     write_atomically(output_dir / "classification_report.txt", lambda tmp: tmp.write_text(text))
     report = classification_report(labels, predictions, output_dict=True, **kwargs)
     write_atomically(output_dir / "classification_report.json",
                      lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
-    plot_confusion_matrix(output_dir / "confusion_matrix.png",
-                          confusion_matrix(labels, predictions, labels=label_ids), class_names)
-    if curves:
-        plot_curves(output_dir / "curves.png", read_metrics(output_dir))
     return text
+
+
+def plotting_process(accelerator):
+    """Which process draws the plots: the main process's neighbour on its machine where it has one (a launcher
+    numbers one machine's processes together, the main process first), so that they are drawn into the same folder
+    while the main process writes the other reports (on 2 CPU processes a second off the end of a run); else the
+    main process."""
+    return 1 if accelerator.num_processes > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1 else 0
+
+
+def confusion_matrix(labels, predictions, num_classes):
+    """scikit-learn's confusion_matrix(labels, predictions, labels=range(num_classes)): rows true, columns predicted."""
+    counts = np.bincount(np.asarray(labels) * num_classes + np.asarray(predictions), minlength=num_classes ** 2)
+    return counts.reshape(num_classes, num_classes)
 
 
 def _pyplot():

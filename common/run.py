@@ -294,24 +294,25 @@ class TrainingRun:
         """The final reports from the last evaluation (of `eval_set`), with the mistakes report: report.html, and
         the suspected wrong labels of `train_set` from `train_scores` (`evaluate` on it unaugmented); then close
         the trackers."""
-        if self.accelerator.is_main_process:
-            class_names = self.model_info["class_names"]
-            report = write_reports(self.output_dir, labels=evaluation["labels"],
-                                   predictions=evaluation["predictions"], class_names=class_names)
-            self.accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "
-                                   f"({evaluation['samples']} images; best/ holds epoch {self.best_epoch}, "
-                                   f"{self.best_accuracy:.2%}):\n{report}")
+        accelerator, class_names = self.accelerator, self.model_info["class_names"]
+        report = write_reports(accelerator, self.output_dir, evaluation=evaluation, class_names=class_names)
+        if accelerator.is_main_process:
+            accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "
+                              f"({evaluation['samples']} images; best/ holds epoch {self.best_epoch}, "
+                              f"{self.best_accuracy:.2%}):\n{report}")
             label_issues = None if train_scores is None else find_label_issues(
                 train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
+        accelerator.wait_for_everyone()  # the plots drawn: report.html embeds them
+        if accelerator.is_main_process:
             about = {"title": f"{self.output_dir}: the model after epoch {self.epoch - 1}",
                      "arguments": self.model_info["args"]}
             page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set, about=about,
                                          label_issues=label_issues, training_set=train_set)
-            self.accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
-                                   + (f" ({label_issues['flagged']} suspected wrong labels among the "
-                                      f"{label_issues['scored']} training images)" if label_issues else ""))
-        self.accelerator.wait_for_everyone()
-        self.accelerator.end_training()
+            accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
+                              + (f" ({label_issues['flagged']} suspected wrong labels among the "
+                                 f"{label_issues['scored']} training images)" if label_issues else ""))
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
         unlock_output_dirs()  # the run is written: another may take the folder
 
     # ---- inside ----

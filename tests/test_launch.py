@@ -45,6 +45,8 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
             f"{best['val_accuracy']:.2%}):") in result.output
     for name in ("classification_report.txt", "confusion_matrix.png", "curves.png"):
         assert (output_dir / name).stat().st_size > 0
+    page = (output_dir / "report.html").read_text()  # written once the other process had drawn the plots
+    assert 'alt="curves.png"' in page and 'alt="confusion_matrix.png"' in page
 
 
 def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):

@@ -102,3 +102,13 @@ def test_the_curves_epoch_axes_show_whole_epochs(epochs):
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (epochs, ticks)
     plt.close(figure)
+
+
+def test_the_confusion_matrix_counts_as_scikit_learn_counts_it():
+    from common.reporting import confusion_matrix as ours
+
+    rng = np.random.default_rng(1)
+    labels, predictions = rng.integers(0, 6, 500), rng.integers(0, 5, 500)  # class 5 never predicted
+    labels[labels == 3] = 4  # class 3 never in the labels
+    expected = confusion_matrix(labels, predictions, labels=list(range(7)))  # class 6 in neither
+    assert np.array_equal(ours(labels, predictions, 7), expected)
