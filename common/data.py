@@ -62,6 +62,10 @@ def _keep_as_is(batch):
     return batch
 
 
+EVAL_BATCH_MULTIPLE = 4  # evaluation keeps no activations for a backward pass: batches 4x the training batch's, in
+# less memory than training takes, score faster (the 60,000 Fashion-MNIST training images: 1.55 s at 64, 1.23 s at 256)
+
+
 def build_dataloader(dataset, *, batch_size=1, shuffle=False, batch_sampler=None):
     """A DataLoader whose batches the dataset builds, drawn by `batch_sampler` (training: MicroBatches) or in
     batches of `batch_size`. Pinned with a GPU, for non-blocking copies."""
@@ -115,26 +119,32 @@ class MicroBatches(torch.utils.data.Sampler):
         return step * self.per_step + self.rank * self.accumulation + within
 
 
-def preprocess(images, *, normalize, padding=0, flip=False, cutout=0, erasing=0.0):
-    """uint8 (N, C, H, W) -> float normalised by `normalize` (mean, std); per sample random: crop (zero padding),
-    flip, a Cutout square of side `cutout` (DeVries & Taylor 2017) and, with probability `erasing`, a rectangle
-    as torchvision's RandomErasing (2-33% of the area, aspect 0.3-3.3), erased to 0, the mean colour."""
+def preprocess(images, *, normalize, padding=0, padding_mode="constant", flip=False, erase=None):
+    """uint8 (N, C, H, W) -> float normalised by `normalize` (mean, std); per sample random: a crop of the image
+    padded by `padding` pixels (`padding_mode` "constant": zeros; "reflect": mirrored without repeating the edge, as
+    torchvision's RandomCrop pads), a flip, and `erase` ({"cutout": side, "erasing": probability}): a Cutout square
+    of that side (DeVries & Taylor 2017) and, with that probability, a rectangle as torchvision's RandomErasing
+    (2-33% of the area, aspect 0.3-3.3), erased to 0, the mean colour."""
     n, _, height, width = images.shape
     device = images.device
     if padding or flip:
         # one gather does both: each sample's crop window, its columns read backwards when it is mirrored
-        padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
         dy = torch.randint(0, 2 * padding + 1, (n, 1), device=device)
         dx = torch.randint(0, 2 * padding + 1, (n, 1), device=device)
         cols = torch.arange(width, device=device).expand(n, width)
         if flip:
             cols = torch.where(torch.rand(n, 1, device=device) < 0.5, width - 1 - cols, cols)
-        rows = (dy + torch.arange(height, device=device))[:, :, None]
+        rows, cols = dy + torch.arange(height, device=device), dx + cols  # in the padded image
+        if padding and padding_mode == "reflect":  # the mirrored pixel's place in the image itself
+            source, rows, cols = images, _reflect(rows - padding, height), _reflect(cols - padding, width)
+        else:
+            source = F.pad(images, (padding, padding, padding, padding)) if padding else images
         batch = torch.arange(n, device=device)[:, None, None]
-        images = padded[batch, :, rows, (dx + cols)[:, None, :]].permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
+        images = source[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)  # (N, H, W, C) -> NCHW
     # (x / 255 - mean) / std as one multiply and one add
     mean, std = (torch.tensor(values, device=device).view(1, -1, 1, 1) for values in normalize)
     images = images.float().mul_(1 / (255 * std)).sub_(mean / std)
+    cutout, erasing = (erase or {}).get("cutout", 0), (erase or {}).get("erasing", 0.0)
     if cutout:
         center_y, center_x = torch.randint(0, height, (n,), device=device), torch.randint(0, width, (n,), device=device)
         images = _erase(images, center_y - cutout // 2, center_x - cutout // 2, cutout, cutout)
@@ -148,6 +158,11 @@ def preprocess(images, *, normalize, padding=0, flip=False, cutout=0, erasing=0.
         erased = torch.rand(n, device=device) < erasing
         images = _erase(images, top, left, torch.where(erased, box_h, 0), box_w)
     return images
+
+
+def _reflect(index, size):
+    """Positions -size < index < 2 size - 1 mirrored into [0, size) about the first and last pixel: -1 -> 1."""
+    return (size - 1) - ((size - 1) - index.abs()).abs()
 
 
 def _erase(images, top, left, box_h, box_w):

@@ -213,11 +213,13 @@ def test_dataloader_fetches_whole_batches(cifar_jpegs):
     assert torch.equal(batch["image"], train.images[:64])
 
 
-def test_preprocess_crops_are_shifted_windows_and_flips_mirror():
+@pytest.mark.parametrize("padding_mode", ["constant", "reflect"])
+def test_preprocess_crops_are_shifted_windows_and_flips_mirror(padding_mode):
     torch.manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
-    out = (preprocess(images, normalize=((0, 0, 0), (1, 1, 1)), padding=2, flip=True) * 255).round()
-    padded = torch.nn.functional.pad(images, (2, 2, 2, 2)).float()
+    out = (preprocess(images, normalize=((0, 0, 0), (1, 1, 1)), padding=2, padding_mode=padding_mode,
+                      flip=True) * 255).round()
+    padded = torch.nn.functional.pad(images.float(), (2, 2, 2, 2), mode=padding_mode)
     shifts = set()
     for i in range(len(images)):
         windows = {(dy, dx): padded[i, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)}
@@ -248,7 +250,7 @@ def erased_boxes(out):
 def test_cutout_erases_one_square_per_sample_at_the_mean_colour():
     torch.manual_seed(0)
     images = torch.full((256, 3, 32, 32), 200, dtype=torch.uint8)
-    out = preprocess(images, normalize=((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), cutout=16)
+    out = preprocess(images, normalize=((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), erase={"cutout": 16})
     assert ((out == 0) | out.isclose(torch.tensor((200 / 255 - 0.5) / 0.25))).all()  # erased: 0, the mean colour
     assert torch.equal(out[:, 0] == 0, out[:, 2] == 0)  # all channels of a pixel
     boxes = erased_boxes(out)
@@ -260,7 +262,8 @@ def test_cutout_erases_one_square_per_sample_at_the_mean_colour():
 def test_random_erasing_erases_a_rectangle_of_2_to_33_percent_in_a_share_of_the_samples():
     torch.manual_seed(0)
     images = torch.full((2000, 3, 32, 32), 200, dtype=torch.uint8)
-    boxes = erased_boxes(preprocess(images, normalize=((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), erasing=0.25))
+    out = preprocess(images, normalize=((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), erase={"erasing": 0.25})
+    boxes = erased_boxes(out)
     erased = [(count, height, width) for count, height, width in boxes if count]
     assert 0.21 < len(erased) / len(boxes) < 0.29
     assert all(count == height * width for count, height, width in erased)  # one whole rectangle, inside

@@ -60,8 +60,9 @@ def train_then_resume_mid_epoch(tmp_path, script, *args, epoch, weights=("model.
 
 def test_a_copied_script_with_its_own_loss_and_optimizer_and_device_cutout_and_erasing_resumes_mid_epoch_exactly(
         tmp_path, cifar_jpegs):
-    """A user's copy of train_cifar.py with its own loss term and optimizer, trained with Cutout and random
-    erasing on the device: on 2 processes, resumed inside epoch 2, it ends as the uninterrupted run."""
+    """A user's copy of train_cifar.py with its own loss term and optimizer, trained with reflect-padded crops,
+    Cutout and random erasing on the device: on 2 processes, resumed inside epoch 2, it ends as the uninterrupted
+    run."""
     project = tmp_path / "my_project"
     shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
     (project / "scripts").mkdir()
@@ -73,13 +74,14 @@ def test_a_copied_script_with_its_own_loss_and_optimizer_and_device_cutout_and_e
 
     reference = train_then_resume_mid_epoch(tmp_path, project / "scripts" / "train_cifar.py", "--data_dir",
                                             cifar_jpegs, "--model", "test_resnet", "--epochs", 2, "--batch_size", 8,
-                                            "--cutout", 16, "--random_erasing", 0.5, epoch=2, cwd=project)
+                                            "--cutout", 16, "--random_erasing", 0.5, "--padding_mode", "reflect",
+                                            epoch=2, cwd=project)
     assert_two_processes_shared_the_data(metrics(reference), train_size=151, batch_size=8)
     # the edited recipe ran: AdamW's moments in the optimizer state, not SGD's momentum buffers
     state = torch.load(reference / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)["state"]
     assert {"exp_avg", "exp_avg_sq"} <= state[0].keys() and "momentum_buffer" not in state[0]
     args = json.loads((reference / "best" / "meta.json").read_text())["args"]
-    assert (args["cutout"], args["random_erasing"]) == (16, 0.5)
+    assert (args["cutout"], args["random_erasing"], args["padding_mode"]) == (16, 0.5, "reflect")
 
 
 def test_seedlings_with_class_weights_and_a_balanced_sampler_resume_mid_epoch_exactly(tmp_path, seedlings):
