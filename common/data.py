@@ -62,10 +62,6 @@ def _keep_as_is(batch):
     return batch
 
 
-EVAL_BATCH_MULTIPLE = 4  # evaluation keeps no activations for a backward pass: batches 4x the training batch's, in
-# less memory than training takes, score faster (the 60,000 Fashion-MNIST training images: 1.55 s at 64, 1.23 s at 256)
-
-
 def build_dataloader(dataset, *, batch_size=1, shuffle=False, batch_sampler=None):
     """A DataLoader whose batches the dataset builds, drawn by `batch_sampler` (training: MicroBatches) or in
     batches of `batch_size`. Pinned with a GPU, for non-blocking copies."""

@@ -31,7 +31,7 @@ from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
-from common.data import EVAL_BATCH_MULTIPLE, MicroBatches, build_dataloader, hold_out, preprocess  # noqa: E402
+from common.data import MicroBatches, build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
@@ -81,9 +81,8 @@ def main(args):
     # the same micro-batches and global steps on any process count (a run resumes on another one)
     train_dataloader = build_dataloader(train_set, batch_sampler=MicroBatches(
         len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator))
-    eval_batch = EVAL_BATCH_MULTIPLE * args.batch_size
-    eval_dataloader = build_dataloader(eval_set, batch_size=eval_batch)
-    test_dataloader = build_dataloader(test_set, batch_size=eval_batch) if args.val_fraction else None
+    eval_dataloader = build_dataloader(eval_set, batch_size=args.batch_size)
+    test_dataloader = build_dataloader(test_set, batch_size=args.batch_size) if args.val_fraction else None
     transform = partial(preprocess, normalize=((0.0,), (1.0,)))  # the model's Keras "rescale"
 
     # model and optimisation
@@ -141,7 +140,7 @@ def main(args):
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
     # the training images scored by the final model, unaugmented: the mistakes report's suspected wrong labels
-    train_scores = evaluate(model, accelerator.prepare(build_dataloader(train_set, batch_size=eval_batch)),
+    train_scores = evaluate(model, accelerator.prepare(build_dataloader(train_set, batch_size=args.batch_size)),
                             accelerator, transform=transform) if args.find_label_issues else None
     if test_dataloader:  # --val_fraction: the test set, scored once with best/, as scripts/evaluate.py scores
         test = evaluate(run.load_best(model), test_dataloader, accelerator, transform=transform, tta=args.tta)

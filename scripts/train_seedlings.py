@@ -42,7 +42,7 @@ from torchvision.transforms.v2.functional import center_crop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.checkpoint import resolve_args  # noqa: E402
-from common.data import EVAL_BATCH_MULTIPLE, InMemoryDataset, MicroBatches, preprocess  # noqa: E402
+from common.data import InMemoryDataset, MicroBatches, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
@@ -167,8 +167,7 @@ def main(args):
                                ("unreadable val images", eval_set.left_out)):
             if left_out:
                 accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
-    eval_dataloader = build_file_dataloader(eval_set, batch_size=EVAL_BATCH_MULTIPLE * args.batch_size,
-                                           num_workers=num_workers)
+    eval_dataloader = build_file_dataloader(eval_set, batch_size=args.batch_size, num_workers=num_workers)
     normalise = partial(preprocess, normalize=(mean, std), erase={"erasing": args.random_erasing})  # on the device
 
     def train_transform(images):
@@ -267,7 +266,7 @@ def main(args):
                                      cache=training_cache(eval_spec) if cache_images else None)
         crop = partial(center_crop, output_size=[args.image_size] * 2) if cache_images else None
         train_scores = evaluate(model, accelerator.prepare(build_file_dataloader(
-            scoring_set, batch_size=EVAL_BATCH_MULTIPLE * args.batch_size, num_workers=num_workers)), accelerator,
+            scoring_set, batch_size=args.batch_size, num_workers=num_workers)), accelerator,
             transform=lambda images: eval_transform(crop(images) if crop else images))
     run.finish(evaluation, eval_set=eval_set, train_scores=train_scores,
                train_set=None if args.streaming else train_set)
