@@ -3,7 +3,7 @@
 A session lent one GPU (an H100 or H200, no network, and ../shared does not travel there) runs, in two steps:
 
     python scripts/bench_gpu.py prepare --shared ../shared     # here: fills .bench-gpu/ (at most 64 MiB)
-    python3 scripts/bench_gpu.py run --out "$OUT"               # in ONE device call carrying .bench-gpu
+    python3 scripts/bench_gpu.py run --out "$OUT"               # ONE device call: carry .bench-gpu, 480 s
     python scripts/bench_gpu.py prepare --shared ../shared --smoke --bench_dir outputs/bench-gpu-smoke
     python scripts/bench_gpu.py run --smoke --device cpu --bench_dir outputs/bench-gpu-smoke --out outputs/smoke
 
@@ -12,15 +12,19 @@ images re-encoded as JPEG quality 95 at their 150 px (one stored zip: the shared
 scripts, and the wheels of cleanlab and of what it needs beyond the device's packages (pandas, termcolor).
 
 `run` extracts the data into --work_dir, splits CIFAR-10 45,000 / 5,000 (stratified, scripts/split_dataset.py),
-installs the carried wheels where cleanlab is missing, then runs each stage as a process with a timeout from
+installs the carried wheels where cleanlab is missing (where it still cannot be imported, ours runs with
+--no-find_label_issues, and the table says so), then runs each stage as a process with a timeout from
 BUDGET_S, all within --budget_s (a stage whose time is gone is skipped, and the table says so):
   reference   resnet18_reference.py (the published fast recipe in plain PyTorch) on the split
   ours_cold   train_cifar.py with a PRESETS recipe, without the image check, decode cache and compile cache
   ours_warm   the same command again, those caches kept
   seedlings   scripts/benchmark_peers.py seedlings on the GPU: ours against timm's train.py and cv_example.py
 Each stage's log, bench-gpu.md (a section to paste into BENCHMARKS.md) and bench-gpu.json (every number) go to
---out, rewritten after every stage. --smoke shrinks every stage (a few hundred images, a few steps, a tiny model)
-so that the whole pipeline runs on a 2-core CPU in a minute or two.
+--out, rewritten after every stage (7 files, flat: what a device call brings back).
+
+Time: the device run is budgeted at 450 s on one H100 (BUDGET_S, estimated from BENCHMARKS.md "GPU"; not yet
+measured). --smoke shrinks every stage (300 CIFAR-10 and 96 seedling images, a few steps, a tiny model for ours) so
+that the whole pipeline runs on a CPU: 70-85 s on the 2-core EPYC (2026-11-27).
 """
 
 import importlib.metadata
@@ -42,6 +46,8 @@ from collections import Counter
 from io import BytesIO
 from pathlib import Path
 
+import torch
+from packaging.requirements import Requirement  # Accelerate's dependency
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +56,7 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path  # noqa: E402
 from common.images import convert_image  # noqa: E402
 from common.outputs import check_not_inside, remove, write_atomically  # noqa: E402
+from common.tools import describe_cpu  # noqa: E402
 
 # train_cifar.py's candidate recipes for one GPU (--preset); none is settled yet. The first mirrors
 # resnet18_reference.py as near as our flags allow: its peak LR 0.2 given as is (without --lr ours scales 0.2 per 128
@@ -164,8 +171,6 @@ def canonical(name):
 
 def requires(lines):
     """The packages that Requires-Dist `lines` ask for on the device (its Python, Linux, no extras)."""
-    from packaging.requirements import Requirement
-
     return [canonical(r.name) for r in map(Requirement, lines) if not r.marker or r.marker.evaluate(DEVICE)]
 
 
@@ -465,10 +470,6 @@ def run_stage(name, ctx, *, left, setup_ok):
 
 
 def machine(device):
-    import torch
-
-    from common.tools import describe_cpu
-
     about = describe_cpu(device)
     versions = {name: importlib.metadata.version(name) for name in ("accelerate", "timm")}
     return {**about, **versions, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
@@ -487,8 +488,6 @@ def run(args):
                         f"CPU machine first, and carry {bench_dir} to the device")
     if json.loads(manifest.read_text())["smoke"] and not args.smoke:
         raise UserError(f"{bench_dir} was prepared with --smoke (a few images): prepare again without it")
-    import torch
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no GPU that torch sees (a CPU check: --smoke --device cpu)")
     for folder, flag in ((out, "--out"), (work, "--work_dir")):
@@ -588,7 +587,7 @@ def markdown(report):
     for name, note in (("reference", ""), ("ours_cold", "   # cold, then again warm"), ("seedlings", "")):
         command = stages.get(name, {}).get("command")
         if command:
-            lines.append(readable(command, report) + note)
+            lines.append(readable(command) + note)
     lines += ["```", "",
               "| run | validation accuracy | wall time, launch to exit (s) | first optimizer step (s after launch) | "
               "training images/s | status |", "|---|---|---|---|---|---|", *cifar_rows(stages), ""]
@@ -609,7 +608,7 @@ def markdown(report):
     return "\n".join(lines)
 
 
-def readable(command, report):
+def readable(command):
     """A stage's command with the work folder's paths as the placeholders the text uses."""
     for long, short in (("cifar10-split", "SPLIT"), ("plant-seedlings", "SEEDLINGS")):
         command = re.sub(rf"\S*/{long}(?=\s|$)", short, command)
