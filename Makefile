@@ -2,6 +2,9 @@
 #   make demo   set up, then train the offline digits demo with 2 CPU processes
 #   make test   set up, then run the whole test suite (installs Debian's Fashion-MNIST and headless Chromium,
 #               which opens the reports in the tests, if missing)
+# and one for a lent GPU machine (no venv, no network there: its own python3):
+#   make bench-gpu   the whole GPU table in one device call, into $OUT (default outputs/bench-gpu); first, on the
+#                    CPU machine: python scripts/bench_gpu.py prepare --shared ../shared, then carry .bench-gpu
 VENV ?= .venv
 PYTHON ?= python3
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
@@ -11,7 +14,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -n $(WORKERS) --dist loadfile
 
-.PHONY: setup demo test test-fast browser
+.PHONY: setup demo test test-fast browser bench-gpu
 
 setup: $(VENV)/.installed
 
@@ -37,3 +40,6 @@ test: setup $(FASHION_MNIST) browser
 
 test-fast: setup
 	$(PYTEST) -m "not slow"
+
+bench-gpu:
+	$(PYTHON) scripts/bench_gpu.py run --out $${OUT:-outputs/bench-gpu}

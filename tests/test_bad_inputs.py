@@ -33,7 +33,7 @@ TOOLS = {"train_mnist.py": [], "train_cifar.py": [], "train_seedlings.py": [], "
          "predict.py": ["--model_dir", "m", "x.png"], "compute_mean_std.py": ["folder"],
          "split_dataset.py": ["source", "target"], "evaluate.py": ["--model_dir", "m"],
          "export.py": ["--model_dir", "m", "--output", "m.onnx", "--check_images", "x.png"], "benchmark_folders.py": [],
-         "benchmark_hf.py": [], "benchmark_peers.py": ["seedlings", "--data_dir", "d"]}
+         "benchmark_hf.py": [], "benchmark_peers.py": ["seedlings", "--data_dir", "d"], "bench_gpu.py": ["run"]}
 
 
 def assert_refused(result, *phrases):
@@ -92,6 +92,7 @@ BAD_FLAGS = [
     ("split_dataset.py", "--val_fraction", "1"), ("split_dataset.py", "--seed", "-1"),
     ("benchmark_peers.py", "--seeds", "-1"), ("benchmark_peers.py", "--target", "1.5"),
     ("benchmark_peers.py", "--target", "0"), ("benchmark_peers.py", "--epochs", "0"),
+    ("bench_gpu.py", "--max_mib", "0"), ("bench_gpu.py", "--budget_s", "nan"),
     ("train_mnist.py", "--output_dir", ""), ("train_seedlings.py", "--data_dir", " "), ("train_cifar.py", "--resume", ""),
 ]
 

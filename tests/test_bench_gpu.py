@@ -1,0 +1,148 @@
+"""scripts/bench_gpu.py: `prepare` fills its folder from a shared tree (built here from the real fixture images, laid
+out as ../shared lays out its archives) or refuses in one line; `run --smoke --device cpu` goes through every stage
+and writes bench-gpu.md and bench-gpu.json, a row per stage, also when the time is gone before a stage."""
+
+import json
+import re
+import shutil
+import sys
+import tarfile
+import zipfile
+
+import pytest
+from PIL import Image
+
+from conftest import FIXTURES, REPO, all_gone, load_script, refused, require, script
+
+SHARED = REPO.parent / "shared"  # the real peers' scripts live beside the repository, never in it
+PEERS = ("resnet18_reference.py", "timm_train.py", "cv_example.py")
+STAGES = ["setup", "reference", "ours_cold", "ours_warm", "seedlings"]
+
+
+def make_shared(root, *, real_peers=False):
+    """datasets/cifar10-train-jpeg.tar.gz (cifar10/train/<class>/<n>.jpg: the 151 fixture JPEGs),
+    datasets/plant-seedlings-train-150px.tar (plant-seedlings/<class>/<id>.png: the 85 fixture PNGs), and peers/:
+    the real scripts of ../shared/peers, or stand-ins (marked patched, as the real cv_example.py is)."""
+    (root / "datasets").mkdir(parents=True)
+    with tarfile.open(root / "datasets" / "cifar10-train-jpeg.tar.gz", "w:gz") as archive:
+        archive.add(FIXTURES / "cifar10" / "train", arcname="cifar10/train")
+    with tarfile.open(root / "datasets" / "plant-seedlings-train-150px.tar", "w") as archive:
+        archive.add(FIXTURES / "seedlings", arcname="plant-seedlings")
+    (root / "peers").mkdir()
+    for name in PEERS:
+        if real_peers:
+            shutil.copy(SHARED / "peers" / name, root / "peers" / name)
+        else:
+            (root / "peers" / name).write_text("# PATCH: a stand-in\n")
+    return root
+
+
+def test_prepare_fills_the_folder_and_says_the_device_command(tmp_path):
+    shared, bench = make_shared(tmp_path / "shared"), tmp_path / "bench"
+    result = script("bench_gpu.py", "prepare", "--shared", shared, "--smoke", "--bench_dir", bench)
+    assert result.returncode == 0, result.output
+    manifest = json.loads((bench / "manifest.json").read_text())
+    assert manifest["smoke"] and manifest["wheels"] == [] and manifest["seedlings_unreadable"] == []
+    assert manifest["seedlings_images"] == 85  # at most 8 per class: all of the fixture's
+    with tarfile.open(bench / "cifar10-train-jpeg.tar.gz") as archive:  # at most 30 per class: all 151
+        assert len([m for m in archive.getmembers() if m.isfile()]) == 151
+    with zipfile.ZipFile(bench / "plant-seedlings-jpeg95.zip") as archive:
+        names = archive.namelist()
+        assert all(re.fullmatch(r"plant-seedlings/[^/]+/\w+\.jpg", name) for name in names), names[:3]
+        with archive.open(names[0]) as file, Image.open(file) as image:
+            assert image.format == "JPEG" and image.mode == "RGB" and image.size == (48, 48)  # the PNGs' size
+    assert sorted(p.name for p in (bench / "peers").iterdir()) == sorted(PEERS)
+    assert f"run --bench_dir {bench} --out \"$OUT\"' carry [\"{bench}\"]" in result.stdout
+
+
+def test_prepare_refuses_a_folder_too_large_to_carry_and_a_missing_or_unpatched_peer(tmp_path):
+    shared, bench = make_shared(tmp_path / "shared"), tmp_path / "bench"
+    prepare = ["prepare", "--shared", shared, "--smoke", "--bench_dir", bench]
+    assert script("bench_gpu.py", *prepare).returncode == 0
+    before = (bench / "manifest.json").read_text()
+    error = refused("bench_gpu.py", *prepare, "--max_mib", "0.01")
+    assert re.search(rf"{bench} would hold [\d.]+ MiB, over the 0.01 MiB a device call carries \(largest", error)
+    assert len(error.strip().splitlines()) == 1 and (bench / "manifest.json").read_text() == before  # kept whole
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder beside it
+    (shared / "peers" / "cv_example.py").write_text("# the example as published\n")
+    assert "cv_example.py has no PATCH lines: apply peers/cv_example.patch" in refused("bench_gpu.py", *prepare)
+    (shared / "peers" / "timm_train.py").unlink()
+    error = refused("bench_gpu.py", *prepare)
+    assert f"{shared / 'peers' / 'timm_train.py'} not found: --shared must be the project's shared folder" in error
+    assert "prepare needs --shared" in refused("bench_gpu.py", "prepare", "--bench_dir", bench)
+
+
+def test_run_refuses_a_folder_not_prepared_or_prepared_for_a_smoke_run(tmp_path):
+    make_shared(tmp_path / "shared")
+    out = ["--out", tmp_path / "out", "--work_dir", tmp_path / "work"]
+    error = refused("bench_gpu.py", "run", "--bench_dir", tmp_path / "bench", *out)
+    assert "manifest.json not found: run `python scripts/bench_gpu.py prepare --shared ../shared`" in error
+    assert script("bench_gpu.py", "prepare", "--shared", tmp_path / "shared", "--smoke", "--bench_dir",
+                  tmp_path / "bench").returncode == 0
+    error = refused("bench_gpu.py", "run", "--bench_dir", tmp_path / "bench", "--device", "cpu", *out)
+    assert "was prepared with --smoke (a few images): prepare again without it" in error
+    error = refused("bench_gpu.py", "run", "--bench_dir", tmp_path / "bench", "--smoke", "--device", "cpu",
+                    "--out", tmp_path / "out", "--work_dir", tmp_path / "bench" / "work")
+    assert "--work_dir" in error and "is inside the input" in error  # it would travel to the device
+
+
+def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path):
+    make_shared(tmp_path / "shared")
+    assert script("bench_gpu.py", "prepare", "--shared", tmp_path / "shared", "--smoke", "--bench_dir",
+                  tmp_path / "bench").returncode == 0
+    result = script("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", tmp_path / "bench", "--out",
+                    tmp_path / "out", "--work_dir", tmp_path / "work", "--budget_s", "1")
+    assert result.returncode == 0, result.output
+    report = json.loads((tmp_path / "out" / "bench-gpu.json").read_text())
+    assert [stage["stage"] for stage in report["stages"]] == STAGES
+    assert report["stages"][0]["status"].startswith("skipped: ") and "s left of --budget_s" in report["stages"][0][
+        "status"]
+    assert all(s["status"] == "skipped: no data: the setup did not finish" for s in report["stages"][1:])
+    markdown = (tmp_path / "out" / "bench-gpu.md").read_text()
+    assert all(f"| {name} | skipped: " in markdown for name in STAGES)
+
+
+def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
+    """The launcher and the training process it started: the whole process group goes."""
+    module = load_script("bench_gpu.py")
+    child = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    command = [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"]
+    done = module.run_logged(command, log=tmp_path / "stage.log", timeout=3, env={})
+    assert done["exit_code"] is None and 3 <= done["wall_s"] < 30
+    pid = int((tmp_path / "stage.log").read_text().splitlines()[-1])
+    assert all_gone([pid])
+
+
+@pytest.mark.slow
+def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
+    """prepare --smoke, then run --smoke --device cpu: the reference, ours cold and warm, the seedlings peers, each
+    a few steps on the fixture images; what comes back is at most 8 files."""
+    require(SHARED / "peers" / "resnet18_reference.py", "the peers' scripts in ../shared/peers")
+    shared, bench, out = make_shared(tmp_path / "shared", real_peers=True), tmp_path / "bench", tmp_path / "out"
+    assert script("bench_gpu.py", "prepare", "--shared", shared, "--smoke", "--bench_dir", bench).returncode == 0
+    result = script("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", bench, "--out", out,
+                    "--work_dir", tmp_path / "work")
+    assert result.returncode == 0, result.output
+    report = json.loads((out / "bench-gpu.json").read_text())
+    stages = {stage["stage"]: stage for stage in report["stages"]}
+    assert list(stages) == STAGES and all(s["status"] == "ok" for s in stages.values()), report["stages"]
+    assert stages["setup"]["results"]["cifar10_images"] == {"train": 135, "val": 16}  # 10% of each class
+    reference = stages["reference"]["results"]
+    assert reference["steps"] == 2 and 0 <= reference["accuracy_flip_translate_tta"] <= 1
+    for name in ("ours_cold", "ours_warm"):
+        ours = stages[name]["results"]
+        assert ours["epochs"] == 1 and ours["tta"] == "flip_translate" and 0 <= ours["accuracy"] <= 1
+        assert 0 < ours["first_step_s"] < stages[name]["wall_s"] and ours["images_per_s"] > 0
+    assert "checked 135 images" in (out / "ours-cold.log").read_text()  # cold: decoded in the run
+    assert "image check of 135 images read from" in (out / "ours-warm.log").read_text()  # warm: the cold one's
+    peers = stages["seedlings"]["results"]
+    assert list(peers["runs"]) == ["ours", "timm", "cv_example"] and peers["ours_first_step_s"] > 0
+    markdown = (out / "bench-gpu.md").read_text()
+    for row in ("| ours, cold", "| ours, warm", "| reference", "| ours |", "| timm |", "| cv_example |",
+                *(f"| {name} | ok |" for name in STAGES)):
+        assert row in markdown, row
+    assert "resnet18_reference.py SPLIT --device cpu" in markdown and str(tmp_path) not in markdown
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench-gpu.json", "bench-gpu.md", "ours-cold.log", "ours-warm.log", "reference.log",
+                     "seedlings.log", "setup.log"]
+    assert "---- runs/seed42/cv_example.log ----" in (out / "seedlings.log").read_text()
