@@ -46,7 +46,7 @@ def test_prepare_fills_the_folder_and_says_the_device_command(tmp_path):
     assert manifest["seedlings_images"] == 85  # at most 8 per class: all of the fixture's
     with tarfile.open(bench / "cifar10-train-jpeg.tar.gz") as archive:  # at most 30 per class: all 151
         assert len([m for m in archive.getmembers() if m.isfile()]) == 151
-    with zipfile.ZipFile(bench / "plant-seedlings-jpeg95.zip") as archive:
+    with zipfile.ZipFile(bench / "plant-seedlings-jpeg90.zip") as archive:
         names = archive.namelist()
         assert all(re.fullmatch(r"plant-seedlings/[^/]+/\w+\.jpg", name) for name in names), names[:3]
         with archive.open(names[0]) as file, Image.open(file) as image:
@@ -61,7 +61,8 @@ def test_prepare_refuses_a_folder_too_large_to_carry_and_a_missing_or_unpatched_
     assert script("bench_gpu.py", *prepare).returncode == 0
     before = (bench / "manifest.json").read_text()
     error = refused("bench_gpu.py", *prepare, "--max_mib", "0.01")
-    assert re.search(rf"{bench} would hold [\d.]+ MiB, over the 0.01 MiB a device call carries \(largest", error)
+    assert re.search(rf"{bench} would hold [\d.]+ MiB, with the repository's [\d.]+ over the 0.01 MiB a device call "
+                     r"carries \(largest", error)
     assert len(error.strip().splitlines()) == 1 and (bench / "manifest.json").read_text() == before  # kept whole
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder beside it
     (shared / "peers" / "cv_example.py").write_text("# the example as published\n")
