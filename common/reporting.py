@@ -76,22 +76,21 @@ def write_reports(accelerator, output_dir, *, evaluation, class_names, curves=Tr
     confusion_matrix.png and (`curves`) curves.png on `plotting_process`, at the same time where that is another
     process. Every process calls it; the plots are on disk once the caller's next `wait_for_everyone` returns."""
     output_dir = Path(output_dir)
-    labels, predictions = evaluation["labels"], evaluation["predictions"]
+    labels, predictions, text = evaluation["labels"], evaluation["predictions"], None
+    if accelerator.is_main_process:
+        from sklearn.metrics import classification_report
+
+        kwargs = dict(labels=list(range(len(class_names))), target_names=class_names, digits=4, zero_division=0)
+        text = classification_report(labels, predictions, **kwargs)
+        write_atomically(output_dir / "classification_report.txt", lambda tmp: tmp.write_text(text))
+        report = classification_report(labels, predictions, output_dict=True, **kwargs)
+        write_atomically(output_dir / "classification_report.json",
+                         lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
     if accelerator.process_index == plotting_process(accelerator):
         plot_confusion_matrix(output_dir / "confusion_matrix.png",
                               confusion_matrix(labels, predictions, len(class_names)), class_names)
         if curves:
             plot_curves(output_dir / "curves.png", read_metrics(output_dir))
-    if not accelerator.is_main_process:
-        return None
-    from sklearn.metrics import classification_report
-
-    kwargs = dict(labels=list(range(len(class_names))), target_names=class_names, digits=4, zero_division=0)
-    text = classification_report(labels, predictions, **kwargs)
-    write_atomically(output_dir / "classification_report.txt", lambda tmp: tmp.write_text(text))
-    report = classification_report(labels, predictions, output_dict=True, **kwargs)
-    write_atomically(output_dir / "classification_report.json",
-                     lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
     return text
 
 
