@@ -254,8 +254,9 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path)
     """MIN_NODES=1: the batch file launches torchrun with c10d and --nnodes 1:2; node 1's launcher and process are
     killed after the first checkpoint (a node failure under `sbatch --no-kill`); node 0's process fails on the lost
     peer, its launcher meets alone and starts it again, and it goes on from checkpoints/latest as 1 process x 2
-    accumulation steps, with the global batch, the steps and the samples of the 2-process run, to the end."""
-    job, env = slurm_job(tmp_path, MIN_NODES="1")
+    accumulation steps, with the global batch, the steps and the samples of the 2-process run, to the end. Node 0
+    waits 2 s, not torchrun's 30, for the lost node to come back (LAST_CALL_TIMEOUT)."""
+    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="2")
     output_dir = tmp_path / "run"
     process = spawn(job, log=tmp_path / "job.log", env=env)
     try:
