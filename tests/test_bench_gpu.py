@@ -12,7 +12,7 @@ import zipfile
 import pytest
 from PIL import Image
 
-from conftest import FIXTURES, REPO, all_gone, load_script, refused, require, script
+from conftest import FIXTURES, REPO, all_gone, load_script, refused, script
 
 SHARED = REPO.parent / "shared"  # the real peers' scripts live beside the repository, never in it
 PEERS = ("resnet18_reference.py", "timm_train.py", "cv_example.py")
@@ -117,8 +117,10 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
 @pytest.mark.slow
 def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
     """prepare --smoke, then run --smoke --device cpu: the reference, ours cold and warm, the seedlings peers, each
-    a few steps on the fixture images; what comes back is at most 8 files."""
-    require(SHARED / "peers" / "resnet18_reference.py", "the peers' scripts in ../shared/peers")
+    a few steps on the fixture images; what comes back is at most 8 files. The peers' scripts are never in the
+    repository: where no ../shared holds them (a clone elsewhere, as CI's may be), there is nothing to run."""
+    if not (SHARED / "peers" / "resnet18_reference.py").is_file():
+        pytest.skip(f"{SHARED / 'peers'} holds no peers' scripts (they live beside the checkout, never in it)")
     shared, bench, out = make_shared(tmp_path / "shared", real_peers=True), tmp_path / "bench", tmp_path / "out"
     assert script("bench_gpu.py", "prepare", "--shared", shared, "--smoke", "--bench_dir", bench).returncode == 0
     result = script("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", bench, "--out", out,
