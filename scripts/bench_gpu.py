@@ -18,9 +18,11 @@ BUDGET_S, all within --budget_s (a stage whose time is gone is skipped, and the 
   reference   resnet18_reference.py (the published fast recipe in plain PyTorch) on the split
   ours_cold   train_cifar.py with a PRESETS recipe, without the image check, decode cache and compile cache
   ours_warm   the same command again, those caches kept
+  ours_eager  the same command warm without --compile: what the compile costs and gains at this length (last, so
+              that a short budget drops it first)
   seedlings   scripts/benchmark_peers.py seedlings on the GPU: ours against timm's train.py and cv_example.py
 Each stage's log, bench-gpu.md (a section to paste into BENCHMARKS.md) and bench-gpu.json (every number) go to
---out, rewritten after every stage (7 files, flat: what a device call brings back).
+--out, rewritten after every stage (8 files, flat: what a device call brings back).
 
 Time: the device run is budgeted at 450 s on one H100 (BUDGET_S, estimated from BENCHMARKS.md "GPU"; not yet
 measured). --smoke shrinks every stage (300 CIFAR-10 and 96 seedling images, a few steps, a tiny model for ours) so
@@ -77,7 +79,7 @@ REFERENCE_FLAGS = "--bf16"
 # seconds each stage may take on one H100, estimated from BENCHMARKS.md "GPU" (ours: 93 s for 18 compiled epochs at
 # batch 512, a 25 s compile in it; 17-25 s per seedlings script); --budget_s bounds them all together, so that a slow
 # stage leaves the last ones less time, or none (skipped)
-BUDGET_S = {"setup": 60, "reference": 110, "ours_cold": 200, "ours_warm": 150, "seedlings": 150}
+BUDGET_S = {"setup": 60, "reference": 110, "ours_cold": 200, "ours_warm": 150, "seedlings": 150, "ours_eager": 150}
 MIN_STAGE_S = 20  # a stage with less time left is skipped
 # --smoke: images per class, and each stage's flags (appended: a later flag wins; ours drops --compile)
 SMOKE = {"cifar_per_class": 30, "seedlings_per_class": 8,
@@ -387,10 +389,10 @@ def stage_reference(ctx, timeout):
     return {**done, "log": log.name, "results": json.loads(lines[-1]) if lines else {}}
 
 
-def ours_command(ctx, output_dir):
+def ours_command(ctx, output_dir, *, compile=True):
     flags = PRESETS[ctx["preset"]].split()
-    if ctx["smoke"]:
-        flags = [flag for flag in flags if flag != "--compile"] + SMOKE["ours"].split()
+    if ctx["smoke"] or not compile:
+        flags = [flag for flag in flags if flag != "--compile"] + (SMOKE["ours"].split() if ctx["smoke"] else [])
     if not ctx["cleanlab"].startswith(("present", "installed")):
         flags.append("--no-find_label_issues")  # the suspected-label pass needs cleanlab
     config = (["accelerate_configs/1gpu.yaml"] if ctx["device"] == "cuda"
@@ -419,15 +421,15 @@ def ours_results(output_dir, log):
             "epoch_time_s": [round(r["epoch_time_s"], 2) for r in metrics]}
 
 
-def stage_ours(ctx, timeout, *, warm):
-    output_dir = ctx["work"] / ("ours-warm" if warm else "ours-cold")
+def stage_ours(ctx, timeout, *, warm, compile=True):
+    output_dir = ctx["work"] / ("ours-cold" if not warm else "ours-warm" if compile else "ours-eager")
     if not warm:  # cold: no image check record, no decode cache (beside the data), no compile cache
         for leftover in ctx["split"].glob(".checked-*"):
             remove(leftover)
         for cache in ("inductor-cache", "triton-cache"):
             remove(ctx["work"] / cache)
     log = ctx["out"] / f"{output_dir.name}.log"
-    done = run_logged(ours_command(ctx, output_dir), log=log, timeout=timeout, env=ctx["env"])
+    done = run_logged(ours_command(ctx, output_dir, compile=compile), log=log, timeout=timeout, env=ctx["env"])
     return {**done, "log": log.name, "results": ours_results(output_dir, log)}
 
 
@@ -451,7 +453,8 @@ def stage_seedlings(ctx, timeout):
 
 STAGES = {"setup": stage_setup, "reference": stage_reference,
           "ours_cold": lambda ctx, timeout: stage_ours(ctx, timeout, warm=False),
-          "ours_warm": lambda ctx, timeout: stage_ours(ctx, timeout, warm=True), "seedlings": stage_seedlings}
+          "ours_warm": lambda ctx, timeout: stage_ours(ctx, timeout, warm=True), "seedlings": stage_seedlings,
+          "ours_eager": lambda ctx, timeout: stage_ours(ctx, timeout, warm=True, compile=False)}
 
 
 def status(stage):
@@ -540,10 +543,11 @@ def number_or_dash(value, pattern="{:,.1f}"):
 
 
 def cifar_rows(stages):
-    """The table's rows: ours cold, ours warm, the reference."""
+    """The table's rows: ours cold, warm and eager, the reference."""
     rows = []
     for name, what in (("ours_cold", "ours, cold (no image check, decode or compile cache)"),
                        ("ours_warm", "ours, warm (the caches of the run above)"),
+                       ("ours_eager", "ours, warm, without `--compile`"),
                        ("reference", "reference (`resnet18_reference.py`)")):
         stage = stages.get(name, {"status": "not run"})
         got = stage.get("results", {})
