@@ -250,6 +250,14 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=16)
 
 
+def test_a_last_call_timeout_that_is_no_number_is_one_line_before_anything_starts(tmp_path):
+    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="2s")
+    result = run_command(job, env=env)
+    assert result.returncode == 2 and result.output.strip() == (
+        "error: LAST_CALL_TIMEOUT=2s: a whole number of seconds (torchrun's last_call_timeout), e.g. 30"), result.output
+    assert not (tmp_path / "node0.log").exists()  # no node was started
+
+
 def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path):
     """MIN_NODES=1: the batch file launches torchrun with c10d and --nnodes 1:2; node 1's launcher and process are
     killed after the first checkpoint (a node failure under `sbatch --no-kill`); node 0's process fails on the lost
