@@ -39,8 +39,7 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
     for batch in eval_dataloader:
         probs = probabilities(model, transform(batch["image"]), tta=tta)
         loss = F.nll_loss(probs.clamp_min(1e-12).log(), batch["label"], reduction="none")
-        # gather per batch: gather_for_metrics drops the padding only while iterating the last batch
-        gathered = accelerator.gather_for_metrics((loss, probs, batch["label"], batch["index"]))
+        gathered = gather_for_metrics(accelerator, loss, probs, batch["label"], batch["index"])
         for kept, tensor in zip((losses, all_probabilities, labels, indices), gathered):
             kept.append(tensor.cpu())
     losses, all_probabilities, labels, indices = map(torch.cat, (losses, all_probabilities, labels, indices))
@@ -49,6 +48,23 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
             "macro_f1": macro_f1(labels, predictions, num_classes=all_probabilities.shape[1]),
             "samples": len(labels), "tta": tta, "predictions": predictions.numpy(),
             "probabilities": all_probabilities.numpy(), "labels": labels.numpy(), "indices": indices.numpy()}
+
+
+def gather_for_metrics(accelerator, *columns):
+    """`accelerator.gather_for_metrics(columns)` for one batch's per-sample columns (float32, integer or bool) in one
+    collective instead of one per column: they travel as the bits of one int64 tensor. Gathered per batch, because
+    gather_for_metrics drops the processes' padding only while the last batch is iterated. (A 2-process label pass
+    over 60,000 images spent more time waiting on its 1,876 gathers than computing.)"""
+    if accelerator.num_processes == 1:
+        return columns
+    bits = [(column.view(torch.int32) if column.dtype == torch.float32 else column).to(torch.int64)
+            .reshape(len(column), -1) for column in columns]
+    packed, start, gathered = accelerator.gather_for_metrics(torch.cat(bits, 1)), 0, []
+    for column, part in zip(columns, bits):
+        piece, start = packed[:, start:start + part.shape[1]], start + part.shape[1]
+        piece = piece.to(torch.int32).view(torch.float32) if column.dtype == torch.float32 else piece.to(column.dtype)
+        gathered.append(piece.reshape(-1, *column.shape[1:]))
+    return gathered
 
 
 def macro_f1(labels, predictions, *, num_classes):
