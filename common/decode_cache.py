@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -224,12 +225,27 @@ def machine_share():
     return cores, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def _decode_all(decode, items):
+def _decode_all(decode, items, chunk=64):
     """`decode` of each item, in order, on threads (PIL decodes without the GIL): this process's share of the
-    cores, at most 8."""
+    cores, at most 8, each thread taking `chunk` items at a time. Images that decode in under SMALL_IMAGE_S each are
+    decoded in this thread: for them the GIL, not the decoder, sets the pace, and threads only hand it back and forth
+    (8,000 CIFAR-10 JPEGs on 2 cores: 1.0-1.3 s in one thread, 2.1-2.2 s on two with a task per image, 1.6-1.7 s
+    on two with a task per 64; 800 seedling PNGs: 0.6-0.8 s in one, 0.3 s on two)."""
     cores, local = machine_share()
-    with ThreadPoolExecutor(max_workers=max(1, min(8, cores // local))) as pool:
-        return list(pool.map(decode, items, chunksize=64))
+    threads = max(1, min(8, cores // local))
+    results = [decode(item) for item in items[:1]]  # the first may pay an import
+    started = time.perf_counter()
+    results += [decode(item) for item in items[1:chunk]]
+    small = time.perf_counter() - started < SMALL_IMAGE_S * (len(results) - 1)
+    if threads == 1 or small:
+        return results + [decode(item) for item in items[chunk:]]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        parts = pool.map(lambda part: [decode(item) for item in part],
+                         [items[start:start + chunk] for start in range(chunk, len(items), chunk)])
+        return results + [result for part in parts for result in part]
+
+
+SMALL_IMAGE_S = 0.3e-3  # a CIFAR-10 JPEG decodes in 0.13 ms, a seedling PNG in 0.8
 
 
 def _map(path):

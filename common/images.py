@@ -154,10 +154,18 @@ def build_eval_transform(spec):
     in-memory ones: a PIL image resized with PIL's bilinear filter, as they were decoded)."""
     if "center_crop" not in spec:
         return partial(_resize, size=tuple(spec["resize"]))
-    from torchvision.transforms import v2  # imported here: it takes a second, and training on tensors needs none
+    return partial(_resize_and_crop, size=spec["resize"], crop=spec["center_crop"])
 
-    return v2.Compose([v2.ToImage(), v2.Resize(spec["resize"], antialias=True), v2.CenterCrop(spec["center_crop"]),
-                       v2.ToPureTensor()])
+
+def _resize_and_crop(image, *, size, crop):
+    # torchvision's v2.Compose([ToImage(), Resize(antialias=True), CenterCrop(), ToPureTensor()]) pixel for pixel,
+    # through its functions: a fifth of the time per image (31 against 166 us for a CIFAR-10 JPEG). Imported here:
+    # torchvision takes a second to import, and training on tensors needs none
+    from torchvision.transforms.v2 import functional
+
+    if not isinstance(image, torch.Tensor):
+        image = functional.pil_to_tensor(image)
+    return functional.center_crop(functional.resize(image, size, antialias=True), crop)
 
 
 def _resize(image, *, size):

@@ -262,8 +262,10 @@ def main(args):
             accelerator.print("no suspected wrong labels: a streamed training split is not read a second time to "
                               "score it (evaluate.py --split on a held-out split checks labels)")
     elif args.find_label_issues:
-        scoring_set = folder_dataset(train_split, transform=None if cache_images else build_eval_transform(eval_spec),
-                                     cache=training_cache(eval_spec) if cache_images else None)
+        # the cached training set is the decoded images themselves (augmented on the device): scored as it is
+        scoring_set = train_set if isinstance(train_set, InMemoryDataset) else folder_dataset(
+            train_split, transform=None if cache_images else build_eval_transform(eval_spec),
+            cache=training_cache(eval_spec) if cache_images else None)
         crop = partial(center_crop, output_size=[args.image_size] * 2) if cache_images else None
         train_scores = evaluate(model, accelerator.prepare(build_file_dataloader(
             scoring_set, batch_size=args.batch_size, num_workers=num_workers)), accelerator,
