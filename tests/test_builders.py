@@ -397,6 +397,36 @@ def test_the_decode_keeps_the_order_and_the_errors_on_one_thread_or_several(monk
     assert (len(used) > 1) == (threads > 1 and not small)
 
 
+def test_a_batchs_columns_are_gathered_in_one_collective_bit_for_bit():
+    """common.evaluation.gather_for_metrics packs the columns into one int64 tensor for one all-gather; here a stand-in
+    for 2 processes gathers it twice over. Every value comes back as it was: nan, -0.0, inf, subnormal floats, int64
+    past float64's 2^53 (a streamed image's id), bools, bf16 (as float32 and back), and a 2-D column."""
+    from common.evaluation import gather_for_metrics
+
+    calls = []
+
+    class TwoProcesses:
+        num_processes = 2
+
+        def gather_for_metrics(self, tensor):
+            calls.append(tensor.dtype)
+            return torch.cat([tensor, tensor])
+
+    floats = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, 0.1, -3.5])
+    ids = torch.tensor([2 ** 62 + 1, -1, 0, 2 ** 53 + 1, 7, 2 ** 63 - 1])
+    flags = torch.tensor([True, False, True, True, False, False])
+    halves = torch.tensor([0.1, 2.5, -1, 3, 0, 65504], dtype=torch.bfloat16)
+    probs = torch.rand(6, 10)
+    gathered = gather_for_metrics(TwoProcesses(), floats, ids, flags, halves, probs)
+    assert calls == [torch.int64]  # one collective
+    for column, back in zip((floats, ids, flags, halves, probs), gathered):
+        assert back.dtype == column.dtype and back.shape == (12, *column.shape[1:])
+        twice = torch.cat([column, column])
+        same = back.view(torch.int16) == twice.view(torch.int16) if column.dtype == torch.bfloat16 else (
+            back.view(torch.int32) == twice.view(torch.int32) if column.dtype == torch.float32 else back == twice)
+        assert same.all(), column
+
+
 def test_the_lr_follows_the_global_batch_unless_given():
     from common.optim import scale_lr
 
