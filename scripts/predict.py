@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
-from common.evaluation import gather_for_metrics, probabilities  # noqa: E402
+from common.evaluation import gather_samples, probabilities  # noqa: E402
 from common.exported import load_exported  # noqa: E402
 from common.flags import ArgumentParser, add_tta_arg, device, nonnegative_int, positive_int  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
@@ -83,8 +83,8 @@ def main(args):
     for batch in dataloader:
         top = probabilities(model, preprocess(batch["image"], normalize=(meta["mean"], meta["std"])),
                             tta=args.tta).topk(top_k, dim=1)
-        found.append([t.cpu() for t in gather_for_metrics(accelerator, batch["index"], batch["ok"], *top)])
-    index, ok, values, labels = (torch.cat(parts) for parts in zip(*found))
+        found.append([batch["index"], batch["ok"], *top])
+    index, ok, values, labels = (t.cpu() for t in gather_samples(accelerator, *map(torch.cat, zip(*found))))
     rows = [[str(paths[i])] + [item for p, c in zip(v, k) for item in (classes[c], f"{p:.6f}")]
             for i, good, v, k in zip(index.tolist(), ok.tolist(), values.tolist(), labels.tolist()) if good]
     if not rows:

@@ -397,34 +397,47 @@ def test_the_decode_keeps_the_order_and_the_errors_on_one_thread_or_several(monk
     assert (len(used) > 1) == (threads > 1 and not small)
 
 
-def test_a_batchs_columns_are_gathered_in_one_collective_bit_for_bit():
-    """common.evaluation.gather_for_metrics packs the columns into one int64 tensor for one all-gather; here a stand-in
-    for 2 processes gathers it twice over. Every value comes back as it was: nan, -0.0, inf, subnormal floats, int64
+def test_an_evaluations_samples_are_gathered_in_one_collective_each_once_bit_for_bit():
+    """common.evaluation.gather_samples packs the columns after the indices into one int64 tensor for one all-gather;
+    here a stand-in for 2 processes: this one holds the samples 4, 0, 2, 6, 8, 10, the other one row more (1, 3, 5,
+    7, 9, and 4 and 0 again, as the padding of its last batch), so this one's rows are padded to as many first. Every
+    sample comes back once, in index order, with its values as they were: nan, -0.0, inf, subnormal floats, int64
     past float64's 2^53 (a streamed image's id), bools, bf16 (as float32 and back), and a 2-D column."""
-    from common.evaluation import gather_for_metrics
+    from common.evaluation import gather_samples
 
     calls = []
+    index = torch.tensor([4, 0, 2, 6, 8, 10])
+    other_index = torch.tensor([1, 3, 5, 7, 9, 4, 0])
 
     class TwoProcesses:
         num_processes = 2
 
-        def gather_for_metrics(self, tensor):
+        def pad_across_processes(self, tensor, pad_index):
+            return torch.cat([tensor, torch.full_like(tensor[:1], pad_index)])
+
+        def gather(self, tensor):  # the other process: the same values, its own indices (the first column)
             calls.append(tensor.dtype)
-            return torch.cat([tensor, tensor])
+            other = torch.cat([tensor[:6], tensor[:1]])
+            other[:, 0] = other_index
+            return torch.cat([tensor, other])
 
     floats = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, 0.1, -3.5])
     ids = torch.tensor([2 ** 62 + 1, -1, 0, 2 ** 53 + 1, 7, 2 ** 63 - 1])
     flags = torch.tensor([True, False, True, True, False, False])
     halves = torch.tensor([0.1, 2.5, -1, 3, 0, 65504], dtype=torch.bfloat16)
     probs = torch.rand(6, 10)
-    gathered = gather_for_metrics(TwoProcesses(), floats, ids, flags, halves, probs)
+    gathered = gather_samples(TwoProcesses(), index, floats, ids, flags, halves, probs)
     assert calls == [torch.int64]  # one collective
-    for column, back in zip((floats, ids, flags, halves, probs), gathered):
-        assert back.dtype == column.dtype and back.shape == (12, *column.shape[1:])
-        twice = torch.cat([column, column])
-        same = back.view(torch.int16) == twice.view(torch.int16) if column.dtype == torch.bfloat16 else (
-            back.view(torch.int32) == twice.view(torch.int32) if column.dtype == torch.float32 else back == twice)
+    assert gathered[0].tolist() == list(range(11))
+    rows = {int(i): row for i, row in zip(index, range(6))} | {int(i): row for i, row in zip(other_index[:5], range(5))}
+    for column, back in zip((floats, ids, flags, halves, probs), gathered[1:]):
+        expected = column[[rows[i] for i in range(11)]]
+        assert back.dtype == column.dtype and back.shape == expected.shape
+        same = back.view(torch.int16) == expected.view(torch.int16) if column.dtype == torch.bfloat16 else (
+            back.view(torch.int32) == expected.view(torch.int32) if column.dtype == torch.float32 else back == expected)
         assert same.all(), column
+    one = gather_samples(SimpleNamespace(num_processes=1), index, floats)  # one process: sorted by index as well
+    assert one[0].tolist() == sorted(index.tolist()) and one[1][0].view(torch.int32) == floats[1].view(torch.int32)
 
 
 def test_the_lr_follows_the_global_batch_unless_given():
