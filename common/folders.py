@@ -40,17 +40,18 @@ def read_mean_std(path):
     return tuple(mean), tuple(std)
 
 
-def build_train_transform(image_size, auto_augment="none", *, geometry=True):
-    """Per-sample augmentation, uint8 (3, S, S) out: random resized crop, both flips, rotation (seedlings are seen
-    from above: any orientation is real), then `auto_augment`. Without `geometry` only the policy (the cached path
-    does the rest on the device, `random_resized_crop`); None when nothing is left to do per sample."""
+def build_train_transform(image_size, auto_augment="none", *, geometry=True, degrees=30.0):
+    """Per-sample augmentation, uint8 (3, S, S) out: random resized crop, both flips, a rotation within +-`degrees`
+    (seedlings are seen from above: any orientation is real; 0: none), then `auto_augment`. Without `geometry` only
+    the policy (the cached path does the rest on the device, `random_resized_crop`); None when nothing is left to do
+    per sample."""
     from torchvision.transforms import v2  # imported here: the in-memory datasets do not need it
 
     policy = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}[auto_augment]
     if not geometry and not policy:
         return None
     crop = [v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip(),
-            v2.RandomVerticalFlip(), v2.RandomRotation(30)] if geometry else []
+            v2.RandomVerticalFlip(), *([v2.RandomRotation(degrees)] if degrees else [])] if geometry else []
     return v2.Compose([v2.ToImage(), *crop, *policy, v2.ToPureTensor()])
 
 

@@ -12,7 +12,8 @@ Accelerate's `examples/cv_example.py` with its patch applied (`--peers_dir`), or
 Tasks (the recipes used so far, as near to each other as each script allows):
   seedlings      a class-folder dataset split 70/30 (stratified, seed 42; scripts/split_dataset.py), timm
                  resnet18 from scratch, --image_size px, batch 64, 5 epochs, Adam(W) 1e-3, cosine per step,
-                 label smoothing 0.1, random resized crop (scale 0.35-1) + flips, no Mixup: train_seedlings.py
+                 label smoothing 0.1, random resized crop (scale 0.35-1) + flips, no rotation (ours: --rotation 0;
+                 timm's and cv_example.py's have none), no Mixup: train_seedlings.py
                  against timm's train.py and cv_example.py (which reads flat `<label>_<n>.jpg` folders: the
                  split is converted once, JPEG quality 95). Fixed target: 60% validation accuracy, which every
                  script reached at the 5-epoch budget on the Plant Seedlings images (63-70%). With --processes 2
@@ -142,9 +143,9 @@ def commands(args, *, epochs, processes, run_seed, run_dir, data):
     found["ours"] = ([*launch, REPO / "scripts" / "train_seedlings.py", "--data_dir", split, "--model", "resnet18",
                       "--image_size", args.image_size, "--epochs", epochs, "--seed", run_seed, "--lr", "1e-3",
                       "--weight_decay", 0, "--mixup_alpha", 0, "--cutmix_alpha", 0, "--label_smoothing", 0.1,
-                      "--schedule", "cosine", "--max_grad_norm", "1e9", "--batch_size", args.batch_size // processes,
-                      "--mixed_precision", args.mixed_precision, "--output_dir", run_dir / "ours", "--overwrite",
-                      *args.ours_args.split()], {})
+                      "--schedule", "cosine", "--max_grad_norm", "1e9", "--rotation", 0,
+                      "--batch_size", args.batch_size // processes, "--mixed_precision", args.mixed_precision,
+                      "--output_dir", run_dir / "ours", "--overwrite", *args.ours_args.split()], {})
     if args.peers_dir and processes == 1:  # timm's train.py under torchrun cannot train on a CPU (DDP device_ids)
         found["timm"] = ([sys.executable, Path(args.peers_dir) / "timm_train.py", "--data-dir", split,
                           "--train-split", "train", "--val-split", "val", "--model", "resnet18", "--num-classes",

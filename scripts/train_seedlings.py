@@ -6,8 +6,9 @@ of the global batch unless --lr is given), cosine annealing to 1e-6, timm Mixup/
 gradient clipping at norm 5.0, SyncBatchNorm on several GPUs, mixed precision (from the Accelerate config),
 ImageNet-pretrained weights when you give them. Changed: batch 32 per process (the seed: 256), 20 epochs
 (the seed: 1000), the LR stepped per optimizer step rather than per epoch, random resized crop + flips +
-rotation instead of a squashing resize, ImageNet's mean/std unless --mean_std, and evaluation at 224 after
-a 256 resize and center crop. Training drops the last incomplete batch: mixup needs an even batch.
+rotation (+-30 degrees, --rotation) instead of a squashing resize, ImageNet's mean/std unless --mean_std, and
+evaluation at 224 after a 256 resize and center crop. Training drops the last incomplete batch: mixup needs an
+even batch.
 Options, off by default: for imbalanced folders --class_weights balanced and --sampler balanced; stronger
 augmentation with --auto_augment and --random_erasing; --ema_decay; --patience N (early stopping).
 Accuracy and time: see docs/results.md (only what was measured is reported there).
@@ -87,6 +88,9 @@ def parse_args(argv=None):
                         help="balanced: draw every class equally often, with replacement (default: %(default)s)")
     parser.add_argument("--auto_augment", choices=["none", "trivialaugment", "randaugment"], default="none",
                         help="a policy after crop, flips and rotation, in the workers (default: %(default)s)")
+    parser.add_argument("--rotation", type=number(min=0, max=180), default=30.0,
+                        help="rotate each training image by up to +-DEGREES (default: %(default)s, for plants seen "
+                             "from above; 0 for photos that have an up)")
     parser.add_argument("--random_erasing", type=probability, default=0.0,
                         help="share of training images with a rectangle erased, on the device (default: %(default)s)")
     parser.add_argument("--patience", type=positive_int, default=None,
@@ -155,7 +159,8 @@ def main(args):
                                                 images=len(train_split["files"]) + len(val_split["files"]))
         folder_dataset = partial(build_folder_dataset, skip_bad_images=args.skip_bad_images, accelerator=accelerator)
         train_set = folder_dataset(train_split, transform=build_train_transform(args.image_size, args.auto_augment,
-                                                                                geometry=not cache_images),
+                                                                                geometry=not cache_images,
+                                                                                degrees=args.rotation),
                                    cache=training_cache(eval_spec) if cache_images else None, seed=args.seed)
         eval_set = folder_dataset(val_split, transform=None if cache_images else build_eval_transform(eval_spec),
                                   cache=eval_spec if cache_images else None)
@@ -171,7 +176,8 @@ def main(args):
     normalise = partial(preprocess, normalize=(mean, std), erase={"erasing": args.random_erasing})  # on the device
 
     def train_transform(images):
-        return normalise(random_resized_crop(images, size=args.image_size) if cache_images else images)
+        return normalise(random_resized_crop(images, size=args.image_size, degrees=args.rotation) if cache_images
+                         else images)
 
     eval_transform = partial(preprocess, normalize=(mean, std))
 

@@ -289,6 +289,20 @@ def test_device_random_resized_crop_maps_each_image_by_its_own_affine_map():
     assert quarter.shape == (1, 3, 16, 16)
 
 
+def test_the_worker_augmentation_rotates_within_the_given_degrees_or_not_at_all():
+    from torchvision.transforms import v2
+
+    from common.folders import build_train_transform
+
+    def rotations(transform):
+        return [step.degrees for step in transform.transforms if isinstance(step, v2.RandomRotation)]
+
+    assert rotations(build_train_transform(16)) == [[-30.0, 30.0]]  # the seedlings' default
+    assert rotations(build_train_transform(16, degrees=10)) == [[-10.0, 10.0]]
+    assert rotations(build_train_transform(16, degrees=0)) == []  # --rotation 0
+    assert rotations(build_train_transform(16, "randaugment", geometry=False, degrees=30)) == []  # on the device
+
+
 # --- models --------------------------------------------------------------------------------------
 
 def test_resnet18_cifar_stem_keeps_resolution():

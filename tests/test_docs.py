@@ -200,6 +200,8 @@ def check_command(tokens, where):
         name, value = tokens[0].split("=", 1)
         env[name], tokens = value, tokens[1:]
     program, args = tokens[0], tokens[1:]
+    if program in PYTHONS and args[:2] == ["-m", "accelerate.commands.launch"]:  # the launcher without the CLI
+        program, args = "accelerate", ["launch", *args[2:]]
     if program.endswith("accelerate") and args[:1] == ["launch"]:
         from accelerate.commands.launch import launch_command_parser
 

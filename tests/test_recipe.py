@@ -99,7 +99,7 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
     output_dir = tmp_path / "run"
     command = [REPO / "scripts" / "train_seedlings.py", "--data_dir", seedlings, "--model", "test_resnet",
                "--image_size", 48, "--epochs", 8, "--batch_size", 4, "--num_workers", 1, "--auto_augment",
-               "trivialaugment", "--random_erasing", 0.5, "--patience", 2, "--output_dir", output_dir,
+               "trivialaugment", "--random_erasing", 0.5, "--patience", 2, "--rotation", 0, "--output_dir", output_dir,
                "--no-find_label_issues"]
     result = launch_warm(*command)
     assert result.returncode == 0, result.output
@@ -113,6 +113,7 @@ def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_bes
             f"best/ holds epoch {best_epoch}") in result.output
     meta = json.loads((output_dir / "best" / "meta.json").read_text())
     assert meta["epoch"] == best_epoch and meta["value"] == pytest.approx(max(accuracies))
+    assert meta["args"]["rotation"] == 0
     report = json.loads((output_dir / "classification_report.json").read_text())
     assert report["accuracy"] == pytest.approx(accuracies[-1])  # the last epoch's evaluation
     # the run is over: resuming it is refused (one process, so that no launcher prints around it), nothing is lost
