@@ -1,5 +1,6 @@
 """Evaluation on every process, each sample counted exactly once; scoring a test set into reports."""
 
+import math
 from pathlib import Path
 
 import torch
@@ -40,9 +41,8 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
         probs = probabilities(model, transform(batch["image"]), tta=tta)
         loss = F.nll_loss(probs.clamp_min(1e-12).log(), batch["label"], reduction="none")
         for parts, tensor in zip(kept, (batch["index"], loss, probs, batch["label"])):
-            parts.append(tensor)
-    indices, losses, all_probabilities, labels = (
-        tensor.cpu() for tensor in gather_samples(accelerator, *map(torch.cat, kept)))
+            parts.append(tensor.cpu())
+    indices, losses, all_probabilities, labels = gather_samples(accelerator, *map(torch.cat, kept))
     predictions = all_probabilities.argmax(1)
     return {"loss": losses.mean().item(), "accuracy": (predictions == labels).float().mean().item(),
             "macro_f1": macro_f1(labels, predictions, num_classes=all_probabilities.shape[1]),
@@ -50,27 +50,32 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
             "probabilities": all_probabilities.numpy(), "labels": labels.numpy(), "indices": indices.numpy()}
 
 
-def gather_samples(accelerator, index, *columns):
+def gather_samples(accelerator, index, *columns, chunk_bytes=2 ** 27):
     """(index, *columns) of every process's samples, each sample once, in the order of `index` (the samples' dataset
-    indices): per-sample columns (floats of at most 32 bits, integers, bools) gathered in one collective for a whole
-    evaluation, as the bits of one int64 tensor. The samples that the processes' last batches repeat to keep them
-    even (Accelerate's even_batches, a stream's last batch) are dropped by their index. (A 2-process label pass over
-    60,000 images spent a third of its time in its gathers: 1,876 of them, then one per batch that waited for the
-    slower process at every batch.)"""
+    indices): per-sample columns on the CPU (floats of at most 32 bits, integers, bools) gathered as the bits of one
+    int64 tensor, in as few collectives as `chunk_bytes` of gathered rows on the device allow (one for an evaluation
+    of 60,000 images and 10 classes). The samples that the processes' last batches repeat to keep them even
+    (Accelerate's even_batches) are dropped by their index. (A 2-process label pass over 60,000 images spent a third
+    of its time in its gathers when they were one per batch: the processes waited for each other at every batch.)"""
     columns = (index, *columns)
     if accelerator.num_processes > 1:
-        bits = [(column.float().view(torch.int32) if column.is_floating_point() else column).to(torch.int64)
-                .reshape(len(column), -1) for column in columns]
-        packed = accelerator.gather(accelerator.pad_across_processes(torch.cat(bits, 1), pad_index=-1))
-        packed, start, gathered = packed[packed[:, 0] >= 0], 0, []  # rows padded on a process with fewer samples
-        for column, part in zip(columns, bits):
-            piece, start = packed[:, start:start + part.shape[1]], start + part.shape[1]
+        widths = [math.prod(column.shape[1:]) for column in columns]
+        bits = torch.cat([(column.float().view(torch.int32) if column.is_floating_point() else column)
+                          .to(torch.int64).reshape(len(column), width) for column, width in zip(columns, widths)], 1)
+        rows = int(accelerator.gather(torch.tensor([len(bits)], device=accelerator.device)).max())
+        bits = torch.cat([bits, bits.new_full((rows - len(bits), bits.shape[1]), -1)])  # index -1: no sample
+        step = max(1, chunk_bytes // (bits.element_size() * bits.shape[1] * accelerator.num_processes))
+        packed = torch.cat([accelerator.gather(bits[start:start + step].to(accelerator.device)).cpu()
+                            for start in range(0, rows, step)])
+        packed, start, gathered = packed[packed[:, 0] >= 0], 0, []
+        for column, width in zip(columns, widths):
+            piece, start = packed[:, start:start + width], start + width
             if column.is_floating_point():
                 piece = piece.to(torch.int32).view(torch.float32)
             gathered.append(piece.to(column.dtype).reshape(-1, *column.shape[1:]))
         columns = gathered
     order = torch.argsort(columns[0], stable=True)
-    first = torch.ones(len(order), dtype=torch.bool, device=order.device)
+    first = torch.ones(len(order), dtype=torch.bool)
     first[1:] = columns[0][order[1:]] != columns[0][order[:-1]]
     return [column[order[first]] for column in columns]
 

@@ -83,8 +83,8 @@ def main(args):
     for batch in dataloader:
         top = probabilities(model, preprocess(batch["image"], normalize=(meta["mean"], meta["std"])),
                             tta=args.tta).topk(top_k, dim=1)
-        found.append([batch["index"], batch["ok"], *top])
-    index, ok, values, labels = (t.cpu() for t in gather_samples(accelerator, *map(torch.cat, zip(*found))))
+        found.append([t.cpu() for t in (batch["index"], batch["ok"], *top)])
+    index, ok, values, labels = gather_samples(accelerator, *map(torch.cat, zip(*found)))
     rows = [[str(paths[i])] + [item for p, c in zip(v, k) for item in (classes[c], f"{p:.6f}")]
             for i, good, v, k in zip(index.tolist(), ok.tolist(), values.tolist(), labels.tolist()) if good]
     if not rows:

@@ -411,37 +411,38 @@ def test_the_decode_keeps_the_order_and_the_errors_on_one_thread_or_several(monk
     assert (len(used) > 1) == (threads > 1 and not small)
 
 
-def test_an_evaluations_samples_are_gathered_in_one_collective_each_once_bit_for_bit():
-    """common.evaluation.gather_samples packs the columns after the indices into one int64 tensor for one all-gather;
-    here a stand-in for 2 processes: this one holds the samples 4, 0, 2, 6, 8, 10, the other one row more (1, 3, 5,
-    7, 9, and 4 and 0 again, as the padding of its last batch), so this one's rows are padded to as many first. Every
-    sample comes back once, in index order, with its values as they were: nan, -0.0, inf, subnormal floats, int64
-    past float64's 2^53 (a streamed image's id), bools, bf16 (as float32 and back), and a 2-D column."""
+def test_an_evaluations_samples_are_gathered_in_chunks_of_rows_each_once_bit_for_bit():
+    """common.evaluation.gather_samples packs the columns after the indices into one int64 tensor and gathers its rows
+    a chunk at a time; here a stand-in for 2 processes: this one holds the samples 4, 0, 2, 6, 8, 10, the other one
+    row more (1, 3, 5, 7, 9, and 4 and 0 again, as the padding of its last batch), so this one's rows are padded to
+    as many first, and a chunk is 3 rows. Every sample comes back once, in index order, with its values as they were:
+    nan, -0.0, inf, subnormal floats, int64 past float64's 2^53 (a streamed image's id), bools, bf16 (as float32 and
+    back), and a 2-D column."""
     from common.evaluation import gather_samples
 
-    calls = []
-    index = torch.tensor([4, 0, 2, 6, 8, 10])
-    other_index = torch.tensor([1, 3, 5, 7, 9, 4, 0])
+    index, other_index = torch.tensor([4, 0, 2, 6, 8, 10]), torch.tensor([1, 3, 5, 7, 9, 4, 0])
+    calls, sent = [], []  # the collectives (the row counts, then each chunk's rows); this process's rows as sent
 
-    class TwoProcesses:
-        num_processes = 2
-
-        def pad_across_processes(self, tensor, pad_index):
-            return torch.cat([tensor, torch.full_like(tensor[:1], pad_index)])
-
-        def gather(self, tensor):  # the other process: the same values, its own indices (the first column)
-            calls.append(tensor.dtype)
-            other = torch.cat([tensor[:6], tensor[:1]])
-            other[:, 0] = other_index
-            return torch.cat([tensor, other])
+    def gather(tensor):  # the other process: the values of this one's rows, its own indices (the first column)
+        if tensor.dim() == 1:
+            calls.append("row counts")
+            return torch.cat([tensor, torch.tensor([7])])
+        calls.append(len(tensor))
+        start, other = sum(map(len, sent)), tensor.clone()
+        sent.append(tensor)
+        other[start + torch.arange(len(other)) == 6] = sent[0][0]  # its seventh row: where this one has padding
+        other[:, 0] = other_index[start:start + len(other)]
+        return torch.cat([tensor, other])
 
     floats = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, 0.1, -3.5])
     ids = torch.tensor([2 ** 62 + 1, -1, 0, 2 ** 53 + 1, 7, 2 ** 63 - 1])
     flags = torch.tensor([True, False, True, True, False, False])
     halves = torch.tensor([0.1, 2.5, -1, 3, 0, 65504], dtype=torch.bfloat16)
     probs = torch.rand(6, 10)
-    gathered = gather_samples(TwoProcesses(), index, floats, ids, flags, halves, probs)
-    assert calls == [torch.int64]  # one collective
+    two = SimpleNamespace(num_processes=2, device=torch.device("cpu"), gather=gather)
+    row_bytes = 15 * 8 * 2  # 15 int64 columns, 2 processes
+    gathered = gather_samples(two, index, floats, ids, flags, halves, probs, chunk_bytes=3 * row_bytes)
+    assert calls == ["row counts", 3, 3, 1] and sent[-1][0, 0] == -1  # this one's seventh row: no sample
     assert gathered[0].tolist() == list(range(11))
     rows = {int(i): row for i, row in zip(index, range(6))} | {int(i): row for i, row in zip(other_index[:5], range(5))}
     for column, back in zip((floats, ids, flags, halves, probs), gathered[1:]):
@@ -450,6 +451,8 @@ def test_an_evaluations_samples_are_gathered_in_one_collective_each_once_bit_for
         same = back.view(torch.int16) == expected.view(torch.int16) if column.dtype == torch.bfloat16 else (
             back.view(torch.int32) == expected.view(torch.int32) if column.dtype == torch.float32 else back == expected)
         assert same.all(), column
+    calls.clear(), sent.clear()
+    assert gather_samples(two, index, probs)[0].tolist() == list(range(11)) and calls == ["row counts", 7]  # one chunk
     one = gather_samples(SimpleNamespace(num_processes=1), index, floats)  # one process: sorted by index as well
     assert one[0].tolist() == sorted(index.tolist()) and one[1][0].view(torch.int32) == floats[1].view(torch.int32)
 
