@@ -164,10 +164,10 @@ def _reflect(index, size):
 def _erase(images, top, left, box_h, box_w):
     """Zero each sample's rectangle [top, top + box_h) x [left, left + box_w), clipped to the image."""
     _, _, height, width = images.shape
-    rows = torch.arange(height, device=images.device) - torch.as_tensor(top)[:, None]
-    cols = torch.arange(width, device=images.device) - torch.as_tensor(left)[:, None]
-    inside = ((rows >= 0) & (rows < torch.as_tensor(box_h).view(-1, 1)))[:, :, None] & (
-        (cols >= 0) & (cols < torch.as_tensor(box_w).view(-1, 1)))[:, None, :]
+    top, left, box_h, box_w = (torch.as_tensor(value, device=images.device).view(-1, 1)
+                               for value in (top, left, box_h, box_w))  # Cutout's sides are ints
+    rows, cols = torch.arange(height, device=images.device) - top, torch.arange(width, device=images.device) - left
+    inside = ((rows >= 0) & (rows < box_h))[:, :, None] & ((cols >= 0) & (cols < box_w))[:, None, :]
     return images.masked_fill_(inside[:, None], 0.0)
 
 

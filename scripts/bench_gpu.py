@@ -21,8 +21,9 @@ BUDGET_S, all within --budget_s (a stage whose time is gone is skipped, and the 
   ours_eager  the same command warm without --compile: what the compile costs and gains at this length (last, so
               that a short budget drops it first)
   seedlings   scripts/benchmark_peers.py seedlings on the GPU: ours against timm's train.py and cv_example.py
-Each stage's log, bench-gpu.md (a section to paste into BENCHMARKS.md) and bench-gpu.json (every number) go to
---out, rewritten after every stage (8 files, flat: what a device call brings back).
+`run --skip reference,seedlings` runs the others only (setup always): a rerun of what failed, in the device time
+left. Each stage's log, bench-gpu.md (a section to paste into BENCHMARKS.md) and bench-gpu.json (every number) go
+to --out, rewritten after every stage (8 files, flat: what a device call brings back).
 
 Time: the device run is budgeted at 450 s on one H100 (BUDGET_S, estimated from BENCHMARKS.md "GPU"; not yet
 measured). --smoke shrinks every stage (300 CIFAR-10 and 96 seedling images, a few steps, a tiny model for ours) so
@@ -116,6 +117,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="run: default: %(default)s")
     parser.add_argument("--budget_s", type=number(float, min=0, min_open=True), default=450,
                         help="run: every stage within this many seconds (default: %(default)s)")
+    parser.add_argument("--skip", type=lambda text: text.split(","), default=[],
+                        help="run: stages not to run, comma-separated (reference,ours_cold,ours_warm,seedlings,"
+                             "ours_eager): a rerun of what failed, within the device's time")
     parser.add_argument("--smoke", action="store_true",
                         help="a few images per class, no wheels (prepare); a few steps of each stage (run)")
     return parser.parse_args(argv)
@@ -467,11 +471,13 @@ def status(stage):
     return "ok" if stage["exit_code"] == 0 else f"failed (exit {stage['exit_code']})"
 
 
-def run_stage(name, ctx, *, left, setup_ok):
+def run_stage(name, ctx, *, left, setup_ok, skip=()):
     """One stage, or why it did not run; an error inside it is recorded, so that the stages after it still run."""
     timeout = min(BUDGET_S[name], left)
     entry = {"stage": name, "budget_s": BUDGET_S[name], "timeout_s": round(timeout)}
-    if not setup_ok:
+    if name in skip:
+        entry["skipped"] = "--skip"
+    elif not setup_ok:
         entry["skipped"] = "no data: the setup did not finish"
     elif timeout < MIN_STAGE_S:
         entry["skipped"] = f"{left:.0f} s left of --budget_s"
@@ -503,6 +509,10 @@ def run(args):
                         f"CPU machine first, and carry {bench_dir} to the device")
     if json.loads(manifest.read_text())["smoke"] and not args.smoke:
         raise UserError(f"{bench_dir} was prepared with --smoke (a few images): prepare again without it")
+    unknown = sorted(set(args.skip) - set(STAGES) | ({"setup"} & set(args.skip)))
+    if unknown:
+        raise UserError(f"--skip {','.join(unknown)}: not a stage that can be skipped; choose among "
+                        f"{','.join(name for name in STAGES if name != 'setup')}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no GPU that torch sees (a CPU check: --smoke --device cpu)")
     for folder, flag in ((out, "--out"), (work, "--work_dir")):
@@ -521,7 +531,8 @@ def run(args):
     try:
         for name in STAGES:
             setup_ok = name == "setup" or report["stages"][0]["status"] == "ok"
-            entry = run_stage(name, ctx, left=args.budget_s - (time.monotonic() - start), setup_ok=setup_ok)
+            entry = run_stage(name, ctx, left=args.budget_s - (time.monotonic() - start), setup_ok=setup_ok,
+                              skip=args.skip)
             report["stages"].append(entry)
             print(f"{name}: {entry['status']}" + (f", {entry['wall_s']:.1f} s" if "wall_s" in entry else ""),
                   flush=True)

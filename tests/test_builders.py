@@ -289,6 +289,24 @@ def test_device_random_resized_crop_maps_each_image_by_its_own_affine_map():
     assert quarter.shape == (1, 3, 16, 16)
 
 
+def test_the_device_transforms_make_every_tensor_on_the_batch_device():
+    """The GPU path, checked on the meta device: a tensor made on the CPU beside the batch fails there as it fails
+    on CUDA (Cutout's side once did, found only on an H100)."""
+    from common.evaluation import probabilities
+
+    images = torch.zeros(4, 3, 32, 32, dtype=torch.uint8, device="meta")
+    normalize = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    for options in ({"padding": 4, "flip": True, "padding_mode": "reflect", "erase": {"cutout": 12}},
+                    {"padding": 4, "flip": True, "erase": {"erasing": 0.5}}, {}):
+        assert preprocess(images, normalize=normalize, **options).device.type == "meta"
+    crops = random_resized_crop(images, size=16)
+    assert crops.shape == (4, 3, 16, 16) and crops.device.type == "meta"
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3, device="meta"), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten())
+    for tta in ("none", "flip", "flip_translate"):
+        assert probabilities(model, preprocess(images, normalize=normalize), tta=tta).shape == (4, 5)
+
+
 def test_the_worker_augmentation_rotates_within_the_given_degrees_or_not_at_all():
     from torchvision.transforms import v2
 
