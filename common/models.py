@@ -17,19 +17,32 @@ from .outputs import write_atomically
 from .reporting import write_predictions
 
 
-def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None):
+def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None, identity_start=True):
     """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`). `channels_last`: NHWC weights,
-    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`."""
-    own_models = {"resnet18_cifar": build_resnet18_cifar, "mnist_convnet": build_mnist_convnet}
-    if name in own_models:
-        model = own_models[name](num_classes=num_classes, in_chans=in_chans)
+    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`.
+    `identity_start=False`: a residual network's blocks start with their last BatchNorm at 1, not 0 (the weights'
+    start only: nothing of it is needed to load them)."""
+    if name == "resnet18_cifar":
+        model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans, identity_start=identity_start)
+    elif name == "mnist_convnet":
+        if not identity_start:
+            raise UserError(f"--no-identity_start: --model {name} has no residual blocks to start as the identity: "
+                            "drop the flag")
+        model = build_mnist_convnet(num_classes=num_classes, in_chans=in_chans)
     else:
         import timm  # imported here: the two models above do not need it
 
         if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
             raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as "
                             "resnet50")
-        model = timm.create_model(name, num_classes=num_classes, in_chans=in_chans)
+        start = {} if identity_start else {"zero_init_last": False}  # timm's ResNets start as the identity too
+        try:
+            model = timm.create_model(name, num_classes=num_classes, in_chans=in_chans, **start)
+        except TypeError:
+            if identity_start:
+                raise
+            raise UserError(f"--no-identity_start: --model {name} has no residual blocks to start as the identity "
+                            "(timm's zero_init_last): drop the flag") from None
         if image_size:
             check_image_size(model, name, in_chans=in_chans, image_size=image_size)
     return model.to(memory_format=torch.channels_last) if channels_last else model
@@ -254,14 +267,14 @@ def load_pretrained(model, name, source):
             + (f"; left out (new for this task): {', '.join(left_out)}" if left_out else ""))
 
 
-def build_resnet18_cifar(*, num_classes=10, in_chans=3):
+def build_resnet18_cifar(*, num_classes=10, in_chans=3, identity_start=True):
     """torchvision's ResNet-18 with the usual CIFAR stem: 3x3 conv, stride 1, no max-pool (32x32 stays 32x32).
     Each block's last BatchNorm starts at zero, so every block starts as the identity (Goyal et al. 2017; timm's
     default): without it the loss blew up to 4-9 in the warm-up at the recipe's LR, and where a run landed after
-    one epoch (31-51%) depended on the seed."""
+    one epoch (31-51%) depended on the seed. `identity_start=False`: at 1, as the published fast recipe starts."""
     from torchvision.models import resnet18
 
-    model = resnet18(num_classes=num_classes, zero_init_residual=True)
+    model = resnet18(num_classes=num_classes, zero_init_residual=identity_start)
     model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model

@@ -22,6 +22,7 @@ Checkpoints: output_dir/checkpoints/ after every epoch (and every --checkpoint_e
 continue a stopped run exactly, mid-epoch included, with the same command plus `--resume latest`.
 """
 
+import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -49,6 +50,10 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet18_cifar",
                         help="resnet18_cifar, or any timm model name (default: %(default)s)")
+    parser.add_argument("--identity_start", action=argparse.BooleanOptionalAction, default=True,
+                        help="each residual block starts as the identity, its last BatchNorm at 0 (the recipe's; "
+                             "--no-identity_start: at 1, as the published fast recipe, which keeps its warm-up "
+                             "stable with a lower LR per image; default: on)")
     parser.add_argument("--momentum", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.9,
                         help="SGD Nesterov momentum (default: %(default)s)")
     parser.add_argument("--cutout", type=number(int, min=0, max=32), default=0,
@@ -101,7 +106,7 @@ def main(args):
                                 normalize=(CIFAR10_MEAN, CIFAR10_STD), dataset="cifar10",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
-                        image_size=32)
+                        image_size=32, identity_start=args.identity_start)
     # the recipe's LR is 0.2 at a global batch of 128; without --lr it follows the global batch in proportion
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=0.2, base_batch=128, global_batch=global_batch, rule="linear")

@@ -289,6 +289,27 @@ def test_device_random_resized_crop_maps_each_image_by_its_own_affine_map():
     assert quarter.shape == (1, 3, 16, 16)
 
 
+def test_residual_blocks_start_as_the_identity_unless_told_otherwise():
+    from common.errors import UserError
+    from common.models import build_model
+
+    for name in ("resnet18_cifar", "test_resnet"):  # ours (torchvision's blocks) and a timm ResNet
+        torch.manual_seed(0)
+        identity = build_model(name, num_classes=10)
+        torch.manual_seed(0)
+        plain = build_model(name, num_classes=10, identity_start=False)
+        last = {key for key, tensor in identity.state_dict().items()  # each block's last BatchNorm
+                if ".bn" in key and key.endswith(".weight") and tensor.eq(0).all()}
+        assert len(last) == {"resnet18_cifar": 8, "test_resnet": 4}[name]
+        assert all(plain.state_dict()[key].eq(1).all() for key in last)
+        assert all(torch.equal(tensor, plain.state_dict()[key])  # the same draw otherwise
+                   for key, tensor in identity.state_dict().items() if key not in last)
+    with pytest.raises(UserError, match=r"^--no-identity_start: --model mnist_convnet has no residual blocks"):
+        build_model("mnist_convnet", num_classes=10, identity_start=False)
+    with pytest.raises(UserError, match=r"^--no-identity_start: --model vit_tiny_patch16_224 has no residual blocks"):
+        build_model("vit_tiny_patch16_224", num_classes=10, identity_start=False)
+
+
 def test_the_device_transforms_make_every_tensor_on_the_batch_device():
     """The GPU path, checked on the meta device: a tensor made on the CPU beside the batch fails there as it fails
     on CUDA (Cutout's side once did, found only on an H100)."""

@@ -9,11 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_two_processes_shared_the_data, launch_warm, same_value, script
+from conftest import REPO, TIMES, assert_two_processes_shared_the_data, launch_warm, same_value, script
 
 pytestmark = pytest.mark.slow
 
-TIMES = ("images_per_s", "train_time_s", "epoch_time_s")
 EDITS = {  # what a user changes, in the copied script only: an auxiliary loss term and another optimizer
     "                loss = loss_fn(model(images), labels)\n":
         "                logits = model(images)\n"
@@ -75,13 +74,14 @@ def test_a_copied_script_with_its_own_loss_and_optimizer_and_device_cutout_and_e
     reference = train_then_resume_mid_epoch(tmp_path, project / "scripts" / "train_cifar.py", "--data_dir",
                                             cifar_jpegs, "--model", "test_resnet", "--epochs", 2, "--batch_size", 8,
                                             "--cutout", 16, "--random_erasing", 0.5, "--padding_mode", "reflect",
-                                            epoch=2, cwd=project)
+                                            "--no-identity_start", epoch=2, cwd=project)
     assert_two_processes_shared_the_data(metrics(reference), train_size=151, batch_size=8)
     # the edited recipe ran: AdamW's moments in the optimizer state, not SGD's momentum buffers
     state = torch.load(reference / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)["state"]
     assert {"exp_avg", "exp_avg_sq"} <= state[0].keys() and "momentum_buffer" not in state[0]
     args = json.loads((reference / "best" / "meta.json").read_text())["args"]
-    assert (args["cutout"], args["random_erasing"], args["padding_mode"]) == (16, 0.5, "reflect")
+    assert (args["cutout"], args["random_erasing"], args["padding_mode"], args["identity_start"]) == (
+        16, 0.5, "reflect", False)
 
 
 def test_seedlings_with_class_weights_and_a_balanced_sampler_resume_mid_epoch_exactly(tmp_path, seedlings):
