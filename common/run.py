@@ -95,15 +95,21 @@ def count_steps(train_dataloader, *, epochs, max_steps):
     return min(epochs * sampler.steps_per_epoch, max_steps or math.inf)
 
 
-def since_launch():
-    """'N s after the launch': from the launcher's start for a process that accelerate launch or torchrun started
-    (its parent), else from this process's."""
+@functools.cache
+def launch_clock():
+    """(when, in time.time(), and what): the launcher's start for a process that accelerate launch or torchrun
+    started (its parent), else this process's."""
     import psutil  # Accelerate's dependency
 
     process = psutil.Process()
     launcher = process.parent() if "LOCAL_RANK" in os.environ else None
-    return f"{time.time() - (launcher or process).create_time():.1f} s after the " + (
-        "launch" if launcher else "process started")
+    return (launcher or process).create_time(), "launch" if launcher else "process started"
+
+
+def since_launch():
+    """'N s after the launch' (or 'after the process started': launch_clock)."""
+    start, what = launch_clock()
+    return f"{time.time() - start:.1f} s after the {what}"
 
 
 def checkpoint_name(epoch, batch=None):
@@ -247,7 +253,8 @@ class TrainingRun:
                   "train_samples_per_process": totals["samples_per_process"],
                   "images_per_s": self._pace["images_per_s"], "train_time_s": self._pace["time"],
                   **{f"val_{name}": evaluation[name] for name in ("loss", "accuracy", "macro_f1", "samples", "tta")},
-                  "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started}
+                  "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started,
+                  "since_launch_s": time.time() - launch_clock()[0]}  # the gaps between epochs: their saves
         if ema_evaluation:
             record.update({f"ema_val_{name}": ema_evaluation[name] for name in ("loss", "accuracy", "macro_f1")})
         log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)

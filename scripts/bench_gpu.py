@@ -16,18 +16,20 @@ installs the carried wheels where cleanlab is missing (where it still cannot be 
 --no-find_label_issues, and the table says so), then runs each stage as a process with a timeout from
 BUDGET_S, all within --budget_s (a stage whose time is gone is skipped, and the table says so):
   reference   resnet18_reference.py (the published fast recipe in plain PyTorch) on the split
-  ours_cold   train_cifar.py with a PRESETS recipe, without the image check, decode cache and compile cache
+  ours_cold   train_cifar.py with the --preset recipe, without the image check, decode cache and compile cache
   ours_warm   the same command again, those caches kept
-  ours_eager  the same command warm without --compile: what the compile costs and gains at this length (last, so
-              that a short budget drops it first)
   seedlings   scripts/benchmark_peers.py seedlings on the GPU: ours against timm's train.py and cv_example.py
-`run --skip reference,seedlings` runs the others only (setup always): a rerun of what failed, in the device time
-left. Each stage's log, bench-gpu.md (a section to paste into BENCHMARKS.md) and bench-gpu.json (every number) go
-to --out, rewritten after every stage (8 files, flat: what a device call brings back).
+  ours_variant  train_cifar.py warm with the --variant recipe: one more candidate per call (last, so that a short
+              budget drops it first)
+`run --skip reference,ours_cold,ours_warm,seedlings --variant NAME` runs one more candidate (setup always runs);
+--skip also reruns what failed, in the device time left. Each stage's log, bench-gpu.md (a section to paste into
+BENCHMARKS.md) and bench-gpu.json (every number) go to --out, rewritten after every stage (8 files, flat: what a
+device call brings back).
 
-Time: the device run is budgeted at 450 s on one H100 (BUDGET_S, estimated from BENCHMARKS.md "GPU"; not yet
-measured). --smoke shrinks every stage (300 CIFAR-10 and 96 seedling images, a few steps, a tiny model for ours) so
-that the whole pipeline runs on a CPU: 70-85 s on the 2-core EPYC (2026-11-27).
+Time: the device run is budgeted at 450 s on one H100 (BUDGET_S; on 2026-11-27 the stages took 23 s (setup), 83
+(reference), 140 and 92 (ours cold and warm, compiled), 83 (seedlings), 84 (ours warm, eager)). --smoke shrinks every
+stage (300 CIFAR-10 and 96 seedling images, a few steps, a tiny model for ours) so that the whole pipeline runs on a
+CPU: 70-85 s on the 2-core EPYC (2026-11-27).
 """
 
 import importlib.metadata
@@ -61,17 +63,21 @@ from common.images import convert_image  # noqa: E402
 from common.outputs import check_not_inside, remove, write_atomically  # noqa: E402
 from common.tools import describe_cpu  # noqa: E402
 
-# train_cifar.py's candidate recipes for one GPU (--preset); none is settled yet. The first mirrors
+# train_cifar.py's candidate recipes for one GPU (--preset, --variant); none is settled yet. The first mirrors
 # resnet18_reference.py as near as our flags allow: its peak LR 0.2 given as is (without --lr ours scales 0.2 per 128
 # images to the batch), no label smoothing, no clipping, translate with reflect padding, Cutout 12, flip + translate
-# TTA. It differs in the batch (512 for 500) and the warm-up's start (near 0 for 0.2x the peak).
+# TTA. It differs in the batch (512 for 500), the warm-up's start (near 0 for 0.2x the peak) and the blocks' start
+# (ours: as the identity). Eager: on one H100 (2026-11-27) --compile trained no faster at this length (33,644 images/s
+# against 33,858) and cost 5 s warm, about 30 s cold (BENCHMARKS.md "GPU").
+REFERENCE_RECIPE = ("--batch_size 512 --epochs 32 --lr 0.2 --label_smoothing 0 --max_grad_norm 0 "
+                    "--padding_mode reflect --cutout 12 --tta flip_translate --channels_last --mixed_precision bf16")
 PRESETS = {
-    "reference_recipe": "--batch_size 512 --epochs 32 --lr 0.2 --label_smoothing 0 --max_grad_norm 0 "
-                        "--padding_mode reflect --cutout 12 --tta flip_translate --channels_last --compile "
-                        "--mixed_precision bf16",
-    # the same with our recipe's label smoothing 0.1 and clipping at norm 1
-    "reference_recipe_ours_regularized": "--batch_size 512 --epochs 32 --lr 0.2 --padding_mode reflect --cutout 12 "
-                                         "--tta flip_translate --channels_last --compile --mixed_precision bf16",
+    "reference_recipe": REFERENCE_RECIPE,
+    # the reference's start too: every block's last BatchNorm at 1, and its batch (90 steps an epoch, as it takes)
+    "reference_recipe_plain_start": REFERENCE_RECIPE.replace("512", "500") + " --no-identity_start",
+    "reference_recipe_compiled": REFERENCE_RECIPE + " --compile",  # the 2026-11-27 H100 run's
+    # with our recipe's label smoothing 0.1 and clipping at norm 1
+    "reference_recipe_ours_regularized": REFERENCE_RECIPE.replace(" --label_smoothing 0 --max_grad_norm 0", ""),
     # the H200 run of 2026-11-26 (BENCHMARKS.md "GPU": 89.44% in 93 s, before the identity start)
     "h200_2026_11_26": "--batch_size 512 --lr 0.4 --epochs 18 --channels_last --compile --mixed_precision bf16",
 }
@@ -80,9 +86,10 @@ REFERENCE_FLAGS = "--bf16"
 # seconds each stage may take on one H100, estimated from BENCHMARKS.md "GPU" (ours: 93 s for 18 compiled epochs at
 # batch 512, a 25 s compile in it; 17-25 s per seedlings script); --budget_s bounds them all together, so that a slow
 # stage leaves the last ones less time, or none (skipped)
-BUDGET_S = {"setup": 60, "reference": 110, "ours_cold": 200, "ours_warm": 150, "seedlings": 150, "ours_eager": 150}
+BUDGET_S = {"setup": 60, "reference": 110, "ours_cold": 150, "ours_warm": 130, "seedlings": 130, "ours_variant": 130}
 MIN_STAGE_S = 20  # a stage with less time left is skipped
-# --smoke: images per class, and each stage's flags (appended: a later flag wins; ours drops --compile)
+# --smoke: images per class, and each stage's flags (appended: a later flag wins; ours drops --compile and the
+# recipe's model)
 SMOKE = {"cifar_per_class": 30, "seedlings_per_class": 8,
          "reference": "--epochs 1 --batch_size 16 --max_steps 2",
          "ours": "--epochs 1 --batch_size 32 --max_steps 3 --model test_resnet --mixed_precision no",
@@ -112,14 +119,16 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=path, default=None, help="run: where the logs, bench-gpu.md and .json go")
     parser.add_argument("--work_dir", type=path, default="outputs/bench-gpu-work",
                         help="run: the extracted data and the runs, emptied first (default: %(default)s)")
-    parser.add_argument("--preset", choices=list(PRESETS), default=next(iter(PRESETS)),
-                        help="run: train_cifar.py's recipe (default: %(default)s)")
+    parser.add_argument("--preset", choices=list(PRESETS), default="reference_recipe",
+                        help="run: train_cifar.py's recipe, cold and warm (default: %(default)s)")
+    parser.add_argument("--variant", choices=list(PRESETS), default="reference_recipe_plain_start",
+                        help="run: the last stage's recipe, warm (default: %(default)s)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="run: default: %(default)s")
     parser.add_argument("--budget_s", type=number(float, min=0, min_open=True), default=450,
                         help="run: every stage within this many seconds (default: %(default)s)")
     parser.add_argument("--skip", type=lambda text: text.split(","), default=[],
                         help="run: stages not to run, comma-separated (reference,ours_cold,ours_warm,seedlings,"
-                             "ours_eager): a rerun of what failed, within the device's time")
+                             "ours_variant): a rerun of what failed, or of one more --variant, in the device's time")
     parser.add_argument("--smoke", action="store_true",
                         help="a few images per class, no wheels (prepare); a few steps of each stage (run)")
     return parser.parse_args(argv)
@@ -393,10 +402,10 @@ def stage_reference(ctx, timeout):
     return {**done, "log": log.name, "results": json.loads(lines[-1]) if lines else {}}
 
 
-def ours_command(ctx, output_dir, *, compile=True):
-    flags = PRESETS[ctx["preset"]].split()
-    if ctx["smoke"] or not compile:
-        flags = [flag for flag in flags if flag != "--compile"] + (SMOKE["ours"].split() if ctx["smoke"] else [])
+def ours_command(ctx, output_dir, *, preset):
+    flags = PRESETS[preset].split()
+    if ctx["smoke"]:
+        flags = [flag for flag in flags if flag != "--compile"] + SMOKE["ours"].split()
     if not ctx["cleanlab"].startswith(("present", "installed")):
         flags.append("--no-find_label_issues")  # the suspected-label pass needs cleanlab
     config = (["accelerate_configs/1gpu.yaml"] if ctx["device"] == "cuda"
@@ -413,28 +422,38 @@ def first_step_s(log):
 
 
 def ours_results(output_dir, log):
-    """The last epoch's accuracy, the median epoch's images/s (epoch 1 pays the compile), the first step's time."""
+    """The last epoch's accuracy, the median epoch's images/s (epoch 1 pays the compile), the first step's time, and
+    where the time between the first step and the last epoch's line went (metrics.jsonl's clocks): training,
+    evaluation, and the gaps between epochs (their checkpoints and best/)."""
     metrics_file = output_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
     rates = [record["images_per_s"] for record in metrics[1:] or metrics]
+    times = {}
+    if metrics:
+        train, epochs = (sum(record[key] for record in metrics) for key in ("train_time_s", "epoch_time_s"))
+        gaps = sum(later["since_launch_s"] - earlier["since_launch_s"] - later["epoch_time_s"]
+                   for earlier, later in zip(metrics, metrics[1:]))
+        times = {"train_s": round(train, 1), "eval_s": round(epochs - train, 1), "between_epochs_s": round(gaps, 1),
+                 "last_epoch_at_s": round(metrics[-1]["since_launch_s"], 1)}
     return {"epochs": len(metrics), "accuracy": metrics[-1]["val_accuracy"] if metrics else None,
             "tta": metrics[-1]["val_tta"] if metrics else None,
             "best_accuracy": max((r["val_accuracy"] for r in metrics), default=None),
             "images_per_s": round(statistics.median(rates)) if rates else None,
-            "first_step_s": first_step_s(log),
+            "first_step_s": first_step_s(log), **times,
             "epoch_time_s": [round(r["epoch_time_s"], 2) for r in metrics]}
 
 
-def stage_ours(ctx, timeout, *, warm, compile=True):
-    output_dir = ctx["work"] / ("ours-cold" if not warm else "ours-warm" if compile else "ours-eager")
+def stage_ours(ctx, timeout, *, warm, variant=False):
+    output_dir = ctx["work"] / ("ours-cold" if not warm else "ours-variant" if variant else "ours-warm")
     if not warm:  # cold: no image check record, no decode cache (beside the data), no compile cache
         for leftover in ctx["split"].glob(".checked-*"):
             remove(leftover)
         for cache in ("inductor-cache", "triton-cache"):
             remove(ctx["work"] / cache)
     log = ctx["out"] / f"{output_dir.name}.log"
-    done = run_logged(ours_command(ctx, output_dir, compile=compile), log=log, timeout=timeout, env=ctx["env"])
-    return {**done, "log": log.name, "results": ours_results(output_dir, log)}
+    preset = ctx["variant" if variant else "preset"]
+    done = run_logged(ours_command(ctx, output_dir, preset=preset), log=log, timeout=timeout, env=ctx["env"])
+    return {**done, "log": log.name, "preset": preset, "results": ours_results(output_dir, log)}
 
 
 def stage_seedlings(ctx, timeout):
@@ -458,7 +477,7 @@ def stage_seedlings(ctx, timeout):
 STAGES = {"setup": stage_setup, "reference": stage_reference,
           "ours_cold": lambda ctx, timeout: stage_ours(ctx, timeout, warm=False),
           "ours_warm": lambda ctx, timeout: stage_ours(ctx, timeout, warm=True), "seedlings": stage_seedlings,
-          "ours_eager": lambda ctx, timeout: stage_ours(ctx, timeout, warm=True, compile=False)}
+          "ours_variant": lambda ctx, timeout: stage_ours(ctx, timeout, warm=True, variant=True)}
 
 
 def status(stage):
@@ -521,11 +540,12 @@ def run(args):
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
     ctx = {"bench_dir": bench_dir, "out": out, "work": work, "smoke": args.smoke, "device": args.device,
-           "preset": args.preset, "cleanlab": "not checked",
+           "preset": args.preset, "variant": args.variant, "cleanlab": "not checked",
            # the compile caches in the work folder: ours_cold starts without them, ours_warm reuses them
            "env": {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
                    "TRITON_CACHE_DIR": str(work / "triton-cache")}}
     report = {"machine": machine(args.device), "preset": args.preset, "ours_flags": PRESETS[args.preset],
+              "variant": args.variant, "variant_flags": PRESETS[args.variant],
               "reference_flags": REFERENCE_FLAGS, "smoke": args.smoke, "device": args.device,
               "budget_s": args.budget_s, "stages": []}
     try:
@@ -554,11 +574,11 @@ def number_or_dash(value, pattern="{:,.1f}"):
 
 
 def cifar_rows(stages):
-    """The table's rows: ours cold, warm and eager, the reference."""
+    """The table's rows: ours cold, warm and the variant, the reference."""
     rows = []
     for name, what in (("ours_cold", "ours, cold (no image check, decode or compile cache)"),
                        ("ours_warm", "ours, warm (the caches of the run above)"),
-                       ("ours_eager", "ours, warm, without `--compile`"),
+                       ("ours_variant", f"ours, warm, `--variant {stages.get('ours_variant', {}).get('preset')}`"),
                        ("reference", "reference (`resnet18_reference.py`)")):
         stage = stages.get(name, {"status": "not run"})
         got = stage.get("results", {})
@@ -575,6 +595,22 @@ def cifar_rows(stages):
         rows.append(f"| {what} | {accuracy} | {wall} | {number_or_dash(got.get('first_step_s'))} | "
                     f"{number_or_dash(got.get('images_per_s'), '{:,.0f}')} | {stage['status']} |")
     return rows
+
+
+def time_spent(stages):
+    """A line per run of ours: where its wall time went (ours_results' clocks)."""
+    lines = []
+    for name in ("ours_cold", "ours_warm", "ours_variant"):
+        stage = stages.get(name, {})
+        got = stage.get("results", {})
+        if "train_s" in got and stage.get("wall_s"):
+            rest = stage["wall_s"] - got["last_epoch_at_s"]
+            lines.append(f"- {name.replace('_', ' ')}, {stage['wall_s']:.1f} s: the first optimizer step at "
+                         f"{number_or_dash(got['first_step_s'])} s, training {got['train_s']:.1f} s, evaluation "
+                         f"{got['eval_s']:.1f} s, between the epochs (checkpoint, best/) {got['between_epochs_s']:.1f} "
+                         f"s; after the last epoch's line {rest:.1f} s (the label pass, the reports, the exit; the "
+                         "launcher's start too where the log counts from the process's)")
+    return [*lines, ""] if lines else []
 
 
 def peer_rows(results):
@@ -611,13 +647,15 @@ def markdown(report):
         f"preset `{report['preset']}`; cleanlab {setup.get('cleanlab', 'not checked')}). The commands:",
         "", "```",
         "python scripts/split_dataset.py data/cifar10/train SPLIT --val_fraction 0.1 --link"]
-    for name, note in (("reference", ""), ("ours_cold", "   # cold, then again warm"), ("seedlings", "")):
+    for name, note in (("reference", ""), ("ours_cold", "   # cold, then again warm"),
+                       ("ours_variant", "   # the variant"), ("seedlings", "")):
         command = stages.get(name, {}).get("command")
         if command:
             lines.append(readable(command) + note)
     lines += ["```", "",
               "| run | validation accuracy | wall time, launch to exit (s) | first optimizer step (s after launch) | "
-              "training images/s | status |", "|---|---|---|---|---|---|", *cifar_rows(stages), ""]
+              "training images/s | status |", "|---|---|---|---|---|---|", *cifar_rows(stages), "",
+              *time_spent(stages)]
     peers = stages.get("seedlings", {}).get("results", {})
     rows, target = peer_rows(peers)
     if rows:

@@ -375,7 +375,7 @@ def assert_report_shows(page, *, classes, top_losses, label_issues, arguments=Tr
     assert (sections["arguments"]["tr"] > 0) == arguments and "files" in sections
     return shown
 
-TIMES = ("images_per_s", "train_time_s", "epoch_time_s")
+TIMES = ("images_per_s", "train_time_s", "epoch_time_s", "since_launch_s")  # metrics.jsonl's clocks
 # a run continued on another process count: each process computes with one thread, as torchrun gives 2 processes on
 # 2 cores (kernels on another thread count round otherwise, and Adam makes steps of the rounding noise in the zero
 # gradient of a bias right before a BatchNorm: docs/checkpoints.md), and the outcome is the same

@@ -16,7 +16,7 @@ from conftest import FIXTURES, REPO, all_gone, load_script, refused, script
 
 SHARED = REPO.parent / "shared"  # the real peers' scripts live beside the repository, never in it
 PEERS = ("resnet18_reference.py", "timm_train.py", "cv_example.py")
-STAGES = ["setup", "reference", "ours_cold", "ours_warm", "seedlings", "ours_eager"]
+STAGES = ["setup", "reference", "ours_cold", "ours_warm", "seedlings", "ours_variant"]
 
 
 def make_shared(root, *, real_peers=False):
@@ -106,7 +106,7 @@ def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path
         error = refused("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", tmp_path / "bench",
                         "--out", tmp_path / "out2", "--skip", skip)
         assert error.startswith(f"error: --skip {skip.split(',')[-1]}: not a stage that can be skipped; choose among "
-                                "reference,ours_cold,ours_warm,seedlings,ours_eager"), error
+                                "reference,ours_cold,ours_warm,seedlings,ours_variant"), error
     assert not (tmp_path / "out2").exists()
 
 
@@ -124,9 +124,9 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
 @pytest.mark.slow
 def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
     """prepare --smoke, then run --smoke --device cpu: the reference, ours cold and warm, the seedlings peers, ours
-    eager, each
-    a few steps on the fixture images; what comes back is at most 8 files. The peers' scripts are never in the
-    repository: where no ../shared holds them (a clone elsewhere, as CI's may be), there is nothing to run."""
+    warm with the variant recipe, each a few steps on the fixture images; what comes back is at most 8 files. The
+    peers' scripts are never in the repository: where no ../shared holds them (a clone elsewhere, as CI's may be),
+    there is nothing to run."""
     if not (SHARED / "peers" / "resnet18_reference.py").is_file():
         pytest.skip(f"{SHARED / 'peers'} holds no peers' scripts (they live beside the checkout, never in it)")
     shared, bench, out = make_shared(tmp_path / "shared", real_peers=True), tmp_path / "bench", tmp_path / "out"
@@ -140,20 +140,25 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
     assert stages["setup"]["results"]["cifar10_images"] == {"train": 135, "val": 16}  # 10% of each class
     reference = stages["reference"]["results"]
     assert reference["steps"] == 2 and 0 <= reference["accuracy_flip_translate_tta"] <= 1
-    for name in ("ours_cold", "ours_warm", "ours_eager"):
+    for name in ("ours_cold", "ours_warm", "ours_variant"):
         ours = stages[name]["results"]
         assert ours["epochs"] == 1 and ours["tta"] == "flip_translate" and 0 <= ours["accuracy"] <= 1
         assert 0 < ours["first_step_s"] < stages[name]["wall_s"] and ours["images_per_s"] > 0
+        assert ours["train_s"] > 0 and ours["eval_s"] >= 0 and ours["between_epochs_s"] == 0  # one epoch: no gap
+        assert ours["first_step_s"] <= ours["last_epoch_at_s"] < stages[name]["wall_s"]  # the same clock
+    variant = json.loads((tmp_path / "work" / "ours-variant" / "best" / "meta.json").read_text())["args"]
+    assert variant["identity_start"] is False and stages["ours_variant"]["preset"] == "reference_recipe_plain_start"
     assert "checked 135 images" in (out / "ours-cold.log").read_text()  # cold: decoded in the run
     assert "image check of 135 images read from" in (out / "ours-warm.log").read_text()  # warm: the cold one's
     peers = stages["seedlings"]["results"]
     assert list(peers["runs"]) == ["ours", "timm", "cv_example"] and peers["ours_first_step_s"] > 0
     markdown = (out / "bench-gpu.md").read_text()
-    for row in ("| ours, cold", "| ours, warm (", "| ours, warm, without", "| reference", "| ours |", "| timm |",
-                "| cv_example |", *(f"| {name} | ok |" for name in STAGES)):
+    for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start`",
+                "| reference", "| ours |", "| timm |", "| cv_example |", "- ours cold, ", "- ours variant, ",
+                *(f"| {name} | ok |" for name in STAGES)):
         assert row in markdown, row
     assert "resnet18_reference.py SPLIT --device cpu" in markdown and str(tmp_path) not in markdown
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench-gpu.json", "bench-gpu.md", "ours-cold.log", "ours-eager.log", "ours-warm.log",
+    assert files == ["bench-gpu.json", "bench-gpu.md", "ours-cold.log", "ours-variant.log", "ours-warm.log",
                      "reference.log", "seedlings.log", "setup.log"]  # 8: what a device call brings back
     assert "---- runs/seed42/cv_example.log ----" in (out / "seedlings.log").read_text()

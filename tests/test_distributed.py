@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from common.mnist import build_digits
-from conftest import (CPU_CONFIG, REPO, assert_each_test_sample_counted_once, assert_two_processes_shared_the_data,
-                      descendants, kill_everything, launch_command, launch_warm, read_run, run_command, spawn, wait_for,
-                      same_value, script, worker_pid)
+from conftest import (CPU_CONFIG, REPO, TIMES, assert_each_test_sample_counted_once,
+                      assert_two_processes_shared_the_data, descendants, kill_everything, launch_command, launch_warm,
+                      read_run, run_command, spawn, wait_for, same_value, script, worker_pid)
 
 pytestmark = pytest.mark.slow
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -135,8 +135,7 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     assert code0 == 0 and code1 == 0, out0 + out1
     for output in (out0, out1):  # both launchers restarted their process, once
         assert output.count("restart 1 of at most 1 (--max_restarts) after a process ended") == 1, output
-    times = ("images_per_s", "train_time_s", "epoch_time_s")
-    ours, theirs = ([{k: v for k, v in record.items() if k not in times} for record in read_run(run)[0]]
+    ours, theirs = ([{k: v for k, v in record.items() if k not in TIMES} for record in read_run(run)[0]]
                     for run in (output_dir, tmp_path / "reference"))
     assert [record["epoch"] for record in ours] == [1, 2, 3, 4]
     assert all(a.keys() == b.keys() and all(same_value(a[k], b[k], 1e-6) for k in a)

@@ -184,6 +184,11 @@ def test_val_fraction_chooses_best_on_validation_and_scores_the_test_set_once_as
     assert [record["val_samples"] for record in records] == [270] * 3  # best/ is chosen on validation ...
     # 1077 // 128: 8 steps of 2 processes x 64 an epoch
     assert all(record["train_unique_samples"] == record["train_samples"] == 8 * 128 for record in records)
+    # each line's time after the launch: later than the line before by at least the epoch (its training and evaluation)
+    clock = [record["since_launch_s"] for record in records]
+    assert 0 < records[0]["epoch_time_s"] < clock[0]
+    assert all(later - earlier >= record["epoch_time_s"] > record["train_time_s"] > 0
+               for earlier, later, record in zip(clock, clock[1:], records[1:]))
     tested = rows(output_dir / "test" / "predictions.csv")  # ... and the test set scored once, with best/
     assert [int(row["index"]) for row in tested] == list(range(450))
     accuracy = np.mean([row["label"] == row["prediction"] for row in tested])
