@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,10 @@ warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
 accelerate.data_loader.is_datasets_available = lambda: "datasets" in sys.modules
 
 
+STARTED = {}  # time.time() when each part of the start-up ended: "imports" (build_accelerator), "ready" (the run's
+#               start: data, model, optimizer prepared)
+
+
 def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None,
                       cpu=False):
     """An Accelerator that gives real data parallelism on CPU too, and refuses a launch it cannot honour:
@@ -34,6 +39,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     then run each process alone, training its own copy; `cpu=True` joins them with gloo instead. `compile`:
     inductor (else the config's dynamo setting); checkpoints still hold the plain model. `report_to`: (--report_to,
     the run folder). `dist_timeout` (seconds): a hung or lost process fails the others after that long."""
+    STARTED.setdefault("imports", time.time())  # the start-up's first part ends here (common.run says it)
     tracker, output_dir = report_to or ("none", None)
     cpu = cpu or not torch.cuda.is_available()
     mixed_precision, why_fp32 = choose_mixed_precision(mixed_precision, cpu=cpu)

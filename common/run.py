@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
-from .distributed import BatchNormMerge
+from .distributed import STARTED, BatchNormMerge
 from .errors import Interrupted, UserError
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
@@ -112,6 +112,16 @@ def since_launch():
     return f"{time.time() - start:.1f} s after the {what}"
 
 
+def startup_parts():
+    """'(start and imports A s, data and model B s, the first batch C s)': the start-up until now, split where
+    build_accelerator was called and where the run started (common.distributed.STARTED)."""
+    if not {"imports", "ready"} <= STARTED.keys():  # a script of the user's own that skips one of them
+        return "(imports, data, model, the first batch)"
+    start, imports, ready = launch_clock()[0], STARTED["imports"], STARTED["ready"]
+    return (f"(start and imports {imports - start:.1f} s, data and model {ready - imports:.1f} s, the first batch "
+            f"{time.time() - ready:.1f} s)")
+
+
 def checkpoint_name(epoch, batch=None):
     """epoch_002_batch_000120 inside epoch 2, epoch_002_end after it: the names sort in training order."""
     return f"epoch_{epoch:03d}_end" if batch is None else f"epoch_{epoch:03d}_batch_{batch:06d}"
@@ -165,6 +175,7 @@ class TrainingRun:
                                  "no checkpoint had been saved, so the run starts over"))
         self._batchnorm = BatchNormMerge(model, accelerator)
         catch_sigterm()
+        STARTED.setdefault("ready", time.time())
 
     # ---- the epoch loop ----
 
@@ -333,7 +344,7 @@ class TrainingRun:
         seen = self.accelerator.gather(torch.cat([self._nonfinite[None], mine])[None]).min(0).values.tolist()
         nonfinite, signals, slowest_step_ms = seen[0], seen[1], -seen[2]
         if not self._said_first_step and self.accelerator.is_main_process:
-            tqdm.write(f"first optimizer step done {since_launch()} (imports, data, model, the first batch)")
+            tqdm.write(f"first optimizer step done {since_launch()} {startup_parts()}")
         self._said_first_step = True
         # the next look: the same on every process, since all see the same numbers
         self._next_look = self.step + max(1, min(CHECK_EVERY, int(1000 * LOOK_SECONDS / max(1, slowest_step_ms))))

@@ -414,11 +414,13 @@ def ours_command(ctx, output_dir, *, preset):
             "--data_dir", ctx["split"], *flags, "--output_dir", output_dir, "--overwrite"]
 
 
-def first_step_s(log):
-    """When our script's first optimizer step was done, in seconds from its launch (as its log says), or None."""
+def first_step_s(log, *, parts=False):
+    """When our script's first optimizer step was done, in seconds from its launch (as its log says), or None;
+    `parts`: the start-up's split as the log gives it ("start and imports 4.1 s, ..."), or None."""
     text = log.read_text(errors="replace") if log.is_file() else ""
-    found = re.search(r"first optimizer step done ([\d.]+) s after the (launch|process started)", text)
-    return float(found.group(1)) if found else None
+    found = re.search(r"first optimizer step done ([\d.]+) s after the (?:launch|process started)(?: \((start.*?)\))?",
+                      text)
+    return (found.group(2) if found else None) if parts else float(found.group(1)) if found else None
 
 
 def ours_results(output_dir, log):
@@ -439,7 +441,7 @@ def ours_results(output_dir, log):
             "tta": metrics[-1]["val_tta"] if metrics else None,
             "best_accuracy": max((r["val_accuracy"] for r in metrics), default=None),
             "images_per_s": round(statistics.median(rates)) if rates else None,
-            "first_step_s": first_step_s(log), **times,
+            "first_step_s": first_step_s(log), "startup": first_step_s(log, parts=True), **times,
             "epoch_time_s": [round(r["epoch_time_s"], 2) for r in metrics]}
 
 
@@ -605,8 +607,9 @@ def time_spent(stages):
         got = stage.get("results", {})
         if "train_s" in got and stage.get("wall_s"):
             rest = stage["wall_s"] - got["last_epoch_at_s"]
+            split = f" ({got['startup']})" if got.get("startup") else ""
             lines.append(f"- {name.replace('_', ' ')}, {stage['wall_s']:.1f} s: the first optimizer step at "
-                         f"{number_or_dash(got['first_step_s'])} s, training {got['train_s']:.1f} s, evaluation "
+                         f"{number_or_dash(got['first_step_s'])} s{split}, training {got['train_s']:.1f} s, evaluation "
                          f"{got['eval_s']:.1f} s, between the epochs (checkpoint, best/) {got['between_epochs_s']:.1f} "
                          f"s; after the last epoch's line {rest:.1f} s (the label pass, the reports, the exit; the "
                          "launcher's start too where the log counts from the process's)")
