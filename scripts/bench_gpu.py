@@ -75,6 +75,8 @@ PRESETS = {
     "reference_recipe": REFERENCE_RECIPE,
     # the reference's start too: every block's last BatchNorm at 1, and its batch (90 steps an epoch, as it takes)
     "reference_recipe_plain_start": REFERENCE_RECIPE.replace("512", "500") + " --no-identity_start",
+    # an evaluation of 2 passes an epoch instead of 6 (the reference's flip TTA equalled its flip + translate there)
+    "reference_recipe_flip_tta": REFERENCE_RECIPE.replace("flip_translate", "flip"),
     "reference_recipe_compiled": REFERENCE_RECIPE + " --compile",  # the 2026-11-27 H100 run's
     # with our recipe's label smoothing 0.1 and clipping at norm 1
     "reference_recipe_ours_regularized": REFERENCE_RECIPE.replace(" --label_smoothing 0 --max_grad_norm 0", ""),
