@@ -16,7 +16,7 @@ from conftest import FIXTURES, REPO, all_gone, load_script, refused, script
 
 SHARED = REPO.parent / "shared"  # the real peers' scripts live beside the repository, never in it
 PEERS = ("resnet18_reference.py", "timm_train.py", "cv_example.py")
-STAGES = ["setup", "reference", "ours_cold", "ours_warm", "seedlings", "ours_variant"]
+STAGES = ["setup", "reference", "ours_cold", "ours_warm", "ours_variant", "seedlings"]
 
 
 def make_shared(root, *, real_peers=False):
@@ -98,15 +98,15 @@ def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path
     assert [stage["stage"] for stage in report["stages"]] == STAGES
     assert report["stages"][0]["status"].startswith("skipped: ") and "s left of --budget_s" in report["stages"][0][
         "status"]
-    assert [s["status"] for s in report["stages"][1:]] == ["skipped: no data: the setup did not finish"] * 3 + [
-        "skipped: --skip", "skipped: no data: the setup did not finish"]
+    assert [s["status"] for s in report["stages"][1:]] == ["skipped: no data: the setup did not finish"] * 4 + [
+        "skipped: --skip"]
     markdown = (tmp_path / "out" / "bench-gpu.md").read_text()
     assert all(f"| {name} | skipped: " in markdown for name in STAGES)
     for skip in ("setup", "reference,ours", "seedling"):  # setup makes the data every stage reads
         error = refused("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", tmp_path / "bench",
                         "--out", tmp_path / "out2", "--skip", skip)
         assert error.startswith(f"error: --skip {skip.split(',')[-1]}: not a stage that can be skipped; choose among "
-                                "reference,ours_cold,ours_warm,seedlings,ours_variant"), error
+                                "reference,ours_cold,ours_warm,ours_variant,seedlings"), error
     assert not (tmp_path / "out2").exists()
 
 
@@ -123,8 +123,8 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
 
 @pytest.mark.slow
 def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
-    """prepare --smoke, then run --smoke --device cpu: the reference, ours cold and warm, the seedlings peers, ours
-    warm with the variant recipe, each a few steps on the fixture images; what comes back is at most 8 files. The
+    """prepare --smoke, then run --smoke --device cpu: the reference, ours cold and warm, ours warm with the variant
+    recipe, the seedlings peers, each a few steps on the fixture images; what comes back is at most 8 files. The
     peers' scripts are never in the repository: where no ../shared holds them (a clone elsewhere, as CI's may be),
     there is nothing to run."""
     if not (SHARED / "peers" / "resnet18_reference.py").is_file():
