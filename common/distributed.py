@@ -39,7 +39,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     then run each process alone, training its own copy; `cpu=True` joins them with gloo instead. `compile`:
     inductor (else the config's dynamo setting); checkpoints still hold the plain model. `report_to`: (--report_to,
     the run folder). `dist_timeout` (seconds): a hung or lost process fails the others after that long."""
-    STARTED.setdefault("imports", time.time())  # the start-up's first part ends here (common.run says it)
+    STARTED.update(imports=time.time())  # the start-up's first part ends here (common.run says it); per run
     tracker, output_dir = report_to or ("none", None)
     cpu = cpu or not torch.cuda.is_available()
     mixed_precision, why_fp32 = choose_mixed_precision(mixed_precision, cpu=cpu)

@@ -175,7 +175,7 @@ class TrainingRun:
                                  "no checkpoint had been saved, so the run starts over"))
         self._batchnorm = BatchNormMerge(model, accelerator)
         catch_sigterm()
-        STARTED.setdefault("ready", time.time())
+        STARTED.update(ready=time.time())
 
     # ---- the epoch loop ----
 

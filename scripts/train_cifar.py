@@ -51,9 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="resnet18_cifar",
                         help="resnet18_cifar, or any timm model name (default: %(default)s)")
     parser.add_argument("--identity_start", action=argparse.BooleanOptionalAction, default=True,
-                        help="each residual block starts as the identity, its last BatchNorm at 0 (the recipe's; "
-                             "--no-identity_start: at 1, as the published fast recipe, which keeps its warm-up "
-                             "stable with a lower LR per image; default: on)")
+                        help="each residual block starts as the identity, its last BatchNorm at 0: without it "
+                             "this recipe's warm-up blew up (--no-identity_start: at 1, as the published fast recipe "
+                             "starts at its 4x lower LR per image; default: on)")
     parser.add_argument("--momentum", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.9,
                         help="SGD Nesterov momentum (default: %(default)s)")
     parser.add_argument("--cutout", type=number(int, min=0, max=32), default=0,
