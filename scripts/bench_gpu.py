@@ -128,7 +128,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="run: default: %(default)s")
     parser.add_argument("--budget_s", type=number(float, min=0, min_open=True), default=450,
                         help="run: every stage within this many seconds (default: %(default)s)")
-    parser.add_argument("--skip", type=lambda text: text.split(","), default=[],
+    parser.add_argument("--skip", type=lambda text: text.split(","), action="extend", default=[],
                         help="run: stages not to run, comma-separated (reference,ours_cold,ours_warm,ours_variant,"
                              "seedlings): a rerun of what failed, or of one more --variant, in the device's time")
     parser.add_argument("--smoke", action="store_true",

@@ -92,14 +92,15 @@ def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path
     assert script("bench_gpu.py", "prepare", "--shared", tmp_path / "shared", "--smoke", "--bench_dir",
                   tmp_path / "bench").returncode == 0
     result = script("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", tmp_path / "bench", "--out",
-                    tmp_path / "out", "--work_dir", tmp_path / "work", "--budget_s", "1", "--skip", "seedlings")
+                    tmp_path / "out", "--work_dir", tmp_path / "work", "--budget_s", "1", "--skip", "seedlings",
+                    "--skip", "ours_variant")  # given twice: both
     assert result.returncode == 0, result.output
     report = json.loads((tmp_path / "out" / "bench-gpu.json").read_text())
     assert [stage["stage"] for stage in report["stages"]] == STAGES
     assert report["stages"][0]["status"].startswith("skipped: ") and "s left of --budget_s" in report["stages"][0][
         "status"]
-    assert [s["status"] for s in report["stages"][1:]] == ["skipped: no data: the setup did not finish"] * 4 + [
-        "skipped: --skip"]
+    assert [s["status"] for s in report["stages"][1:]] == ["skipped: no data: the setup did not finish"] * 3 + [
+        "skipped: --skip"] * 2
     markdown = (tmp_path / "out" / "bench-gpu.md").read_text()
     assert all(f"| {name} | skipped: " in markdown for name in STAGES)
     for skip in ("setup", "reference,ours", "seedling"):  # setup makes the data every stage reads
