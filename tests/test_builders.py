@@ -414,6 +414,47 @@ def test_decoded_image_folder_is_cached_beside_the_data(tmp_path, cifar_jpegs, m
     assert len(load_image_folder(root, size=(32, 32))) == len(first) + 1
 
 
+@pytest.mark.parametrize("helper_dies", [False, True])
+def test_forked_helpers_decode_their_rows_into_the_cache_as_one_process_does(tmp_path, cifar_jpegs, monkeypatch,
+                                                                             helper_dies):
+    """Where a process has several cores, helper processes forked from it decode every n-th image into the cache:
+    the same pixels and the same unreadable files, named, as one process alone; a helper that dies before it reports
+    leaves its rows to the process that forked it."""
+    import common.decode_cache
+    from common.images import list_image_folder
+
+    root = tmp_path / "train"
+    shutil.copytree(cifar_jpegs / "train", root)
+    (root / "cat" / "zz_broken.jpg").write_bytes(b"not a jpeg")
+    files, *_ = list_image_folder(root)
+
+    def decoded(workers):
+        for cache in tmp_path.glob(".checked-*"):
+            cache.unlink()
+        monkeypatch.setattr(common.decode_cache, "machine_share", lambda: (workers, 1))
+        return common.decode_cache.check_images(files, skip_bad_images=True, record=tmp_path / ".checked-train.json",
+                                                cache={"resize": [32, 32]})
+
+    monkeypatch.setattr(common.decode_cache, "FORK_ROWS", 1)
+    good, bad, alone = decoded(1)
+    alone = alone.clone()
+    pids, reader = tmp_path / "pids", common.decode_cache.read_image
+
+    def read_image(path, **kwargs):  # which processes decoded
+        with open(pids, "a") as out:
+            out.write(f"{os.getpid()}\n")
+        return reader(path, **kwargs)
+
+    monkeypatch.setattr(common.decode_cache, "read_image", read_image)
+    if helper_dies:
+        monkeypatch.setattr(common.decode_cache, "_helper", lambda *args: os._exit(1))
+    helped = decoded(3)
+    assert helped[:2] == (good, bad) and bad == [(root / "cat" / "zz_broken.jpg", "cannot identify image file "
+                                                  f"{str(root / 'cat' / 'zz_broken.jpg')!r}")]
+    assert torch.equal(helped[2], alone) and len(good) == len(files) - 1 == 151
+    assert len(set(pids.read_text().split())) == (1 if helper_dies else 3)
+
+
 def test_the_center_cropped_eval_transform_is_torchvisions_compose_pixel_for_pixel(cifar_jpegs):
     """build_eval_transform calls torchvision's functions instead of its v2.Compose (a fifth of the time per image):
     the same uint8 pixels, from a PIL image (RGB, grayscale) or a tensor, scaled up or down, square or not."""
