@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -200,7 +201,9 @@ def _decode_rows(decode, files, rows, path):
     decodes in 0.13 ms, so threads would wait on the GIL, and one thread used one core of 16 on a GPU machine. A
     helper that dies leaves its rows to this process."""
     cores, local = machine_share()
-    workers = min(8, cores // local) if len(rows) >= FORK_ROWS else 1
+    # Linux only: macOS's Python forks no longer by default (a forked child of a process with its system libraries
+    # loaded may crash there), Windows cannot
+    workers = min(8, cores // local) if len(rows) >= FORK_ROWS and sys.platform == "linux" else 1
     if workers == 1:
         return _write_rows(decode, files, rows, path, threads=True)
     decode(files[rows[0]])  # what the first image imports, imported once, before the helpers are forked
