@@ -200,10 +200,9 @@ def _decode_rows(decode, files, rows, path):
     cores, at most 8, this one included) each write every n-th row and send back only their errors: a CIFAR-10 JPEG
     decodes in 0.13 ms, so threads would wait on the GIL, and one thread used one core of 16 on a GPU machine. A
     helper that dies leaves its rows to this process."""
-    cores, local = machine_share()
     # Linux only: macOS's Python forks no longer by default (a forked child of a process with its system libraries
     # loaded may crash there), Windows cannot
-    workers = min(8, cores // local) if len(rows) >= FORK_ROWS and sys.platform == "linux" else 1
+    workers = decoders() if len(rows) >= FORK_ROWS and sys.platform == "linux" else 1
     if workers == 1:
         return _write_rows(decode, files, rows, path, threads=True)
     decode(files[rows[0]])  # what the first image imports, imported once, before the helpers are forked
@@ -279,14 +278,20 @@ def machine_share():
     return cores, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
+def decoders():
+    """How many threads or helper processes decode this process's share of the images: its share of the machine's
+    cores (machine_share), 1 to 8 (1 where the machine runs more processes than it has cores)."""
+    cores, local = machine_share()
+    return max(1, min(8, cores // local))
+
+
 def _decode_all(decode, items, chunk=64):
     """`decode` of each item, in order, on threads (PIL decodes without the GIL): this process's share of the
     cores, at most 8, each thread taking `chunk` items at a time. Images that decode in under SMALL_IMAGE_S each are
     decoded in this thread: for them the GIL, not the decoder, sets the pace, and threads only hand it back and forth
     (8,000 CIFAR-10 JPEGs on 2 cores: 1.0-1.3 s in one thread, 2.1-2.2 s on two with a task per image, 1.6-1.7 s
     on two with a task per 64; 800 seedling PNGs: 0.6-0.8 s in one, 0.3 s on two)."""
-    cores, local = machine_share()
-    threads = max(1, min(8, cores // local))
+    threads = decoders()
     results = [decode(item) for item in items[:1]]  # the first may pay an import
     started = time.perf_counter()
     results += [decode(item) for item in items[1:chunk]]

@@ -428,16 +428,18 @@ def test_forked_helpers_decode_their_rows_into_the_cache_as_one_process_does(tmp
     (root / "cat" / "zz_broken.jpg").write_bytes(b"not a jpeg")
     files, *_ = list_image_folder(root)
 
-    def decoded(workers):
+    def decoded(cores, processes=1):
         for cache in tmp_path.glob(".checked-*"):
             cache.unlink()
-        monkeypatch.setattr(common.decode_cache, "machine_share", lambda: (workers, 1))
+        monkeypatch.setattr(common.decode_cache, "machine_share", lambda: (cores, processes))
         return common.decode_cache.check_images(files, skip_bad_images=True, record=tmp_path / ".checked-train.json",
                                                 cache={"resize": [32, 32]})
 
     monkeypatch.setattr(common.decode_cache, "FORK_ROWS", 1)
     good, bad, alone = decoded(1)
     alone = alone.clone()
+    crowded = decoded(2, 4)  # more processes than cores on the machine: this process decodes alone
+    assert crowded[:2] == (good, bad) and torch.equal(crowded[2], alone)
     pids, reader = tmp_path / "pids", common.decode_cache.read_image
 
     def read_image(path, **kwargs):  # which processes decoded
