@@ -209,7 +209,8 @@ def _decode_rows(decode, files, rows, path):
     context, helpers = multiprocessing.get_context("fork"), []
     for part in (rows[i::workers] for i in range(1, workers)):
         receive, send = context.Pipe(duplex=False)
-        helper = context.Process(target=_helper, args=(decode, files, part, path, send), daemon=True)
+        inherited = [receive, *(earlier for _, earlier, _ in helpers)]  # the read ends the fork copies
+        helper = context.Process(target=_helper, args=(decode, files, part, path, send, inherited), daemon=True)
         helper.start()
         send.close()
         helpers.append((helper, receive, part))
@@ -227,13 +228,18 @@ def _decode_rows(decode, files, rows, path):
 FORK_ROWS = 1024  # fewer rows decode in a fraction of a second: not worth a fork
 
 
-def _helper(decode, files, rows, path, send):
+def _helper(decode, files, rows, path, send, inherited):
     # Ctrl-C reaches the whole process group: the process that forked it says so once, and ends its daemonic
     # helpers with SIGTERM as it exits (a handler it may have installed would only set a flag here)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for receive in inherited:  # held here, a read end would keep a send to a killed parent waiting forever
+        receive.close()
     torch.set_num_threads(1)  # as a DataLoader worker: one core each, no thread pool shared across the fork
-    send.send(_write_rows(decode, files, rows, path, threads=False))
+    try:
+        send.send(_write_rows(decode, files, rows, path, threads=False))
+    except BrokenPipeError:  # the process that forked it is gone (killed): nobody to tell
+        pass
     send.close()
 
 

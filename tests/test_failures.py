@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,56 @@ def broken_evaluate(model, dataloader, *args, **kwargs):
 train_seedlings.evaluate = broken_evaluate
 run_main(train_seedlings.main, train_seedlings.parse_args(sys.argv[2:]))
 """
+
+
+# a cold decode on 3 cores whose own share is slow: its 2 forked helpers finish first, with more unreadable files to
+# report than a pipe holds, and wait for it to read them
+ORPHANED_HELPERS = f"""
+import os, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import numpy as np
+import common.decode_cache as decode_cache
+
+decode_cache.machine_share = lambda: (3, 1)
+path = sys.argv[1]
+np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(3000, 3, 2, 2)).flush()
+parent = os.getpid()
+
+def decode(item):
+    if os.getpid() == parent:
+        time.sleep(0.01)
+    return OSError(f"cannot read {{item}}: " + "x" * 200)
+
+decode_cache._decode_rows(decode, [f"image_{{i}}.jpg" for i in range(3000)], range(3000), path)
+"""
+
+
+def test_forked_decode_helpers_end_when_the_process_that_forked_them_is_killed(tmp_path):
+    """SIGKILLed while its helpers wait to hand it their unreadable files, the process leaves none of them waiting
+    forever on a pipe it held open in them."""
+    (tmp_path / "decode.py").write_text(ORPHANED_HELPERS)
+    process = spawn([sys.executable, tmp_path / "decode.py", tmp_path / "cache.npy"], log=tmp_path / "log")
+    helpers = []
+
+    def waiting_to_send():
+        helpers[:] = [pid for pid in descendants(process.pid) if pid != process.pid]
+        return len(helpers) == 2 and all(read_wchan(pid) == "anon_pipe_write" for pid in helpers)
+
+    try:
+        wait_for(waiting_to_send, process, timeout=60)
+        process.kill()
+        process.wait()
+        assert all_gone(helpers, timeout=30), [process_state(pid) for pid in helpers]
+        assert (tmp_path / "log").read_text() == ""  # not a traceback from a helper
+    finally:
+        kill_everything(process, *helpers)
+
+
+def read_wchan(pid):
+    try:
+        return (Path("/proc") / str(pid) / "wchan").read_text()
+    except OSError:
+        return None
 
 
 @pytest.mark.slow
