@@ -416,13 +416,13 @@ def ours_command(ctx, output_dir, *, preset):
             "--data_dir", ctx["split"], *flags, "--output_dir", output_dir, "--overwrite"]
 
 
-def first_step_s(log, *, parts=False):
-    """When our script's first optimizer step was done, in seconds from its launch (as its log says), or None;
-    `parts`: the start-up's split as the log gives it ("start and imports 4.1 s, ..."), or None."""
+def first_step(log):
+    """(when our script's first optimizer step was done, in seconds from its launch, and the start-up's split, as
+    its log says them: "start and imports 4.1 s, ..."), None for what it does not say."""
     text = log.read_text(errors="replace") if log.is_file() else ""
     found = re.search(r"first optimizer step done ([\d.]+) s after the (?:launch|process started)(?: \((start.*?)\))?",
                       text)
-    return (found.group(2) if found else None) if parts else float(found.group(1)) if found else None
+    return (float(found.group(1)), found.group(2)) if found else (None, None)
 
 
 def ours_results(output_dir, log):
@@ -439,11 +439,12 @@ def ours_results(output_dir, log):
                    for earlier, later in zip(metrics, metrics[1:]))
         times = {"train_s": round(train, 1), "eval_s": round(epochs - train, 1), "between_epochs_s": round(gaps, 1),
                  "last_epoch_at_s": round(metrics[-1]["since_launch_s"], 1)}
+    first_step_s, startup = first_step(log)
     return {"epochs": len(metrics), "accuracy": metrics[-1]["val_accuracy"] if metrics else None,
             "tta": metrics[-1]["val_tta"] if metrics else None,
             "best_accuracy": max((r["val_accuracy"] for r in metrics), default=None),
             "images_per_s": round(statistics.median(rates)) if rates else None,
-            "first_step_s": first_step_s(log), "startup": first_step_s(log, parts=True), **times,
+            "first_step_s": first_step_s, "startup": startup, **times,
             "epoch_time_s": [round(r["epoch_time_s"], 2) for r in metrics]}
 
 
@@ -475,7 +476,7 @@ def stage_seedlings(ctx, timeout):
             out.write(f"\n---- {each.relative_to(work).as_posix()} ----\n{each.read_text(errors='replace')}")
     peers, ours = ctx["work"] / "peers.json", work / "runs" / "seed42" / "ours.log"
     results = json.loads(peers.read_text()) if peers.is_file() else {}
-    return {**done, "log": log.name, "results": {**results, "ours_first_step_s": first_step_s(ours)}}
+    return {**done, "log": log.name, "results": {**results, "ours_first_step_s": first_step(ours)[0]}}
 
 
 STAGES = {"setup": stage_setup, "reference": stage_reference,
@@ -533,10 +534,11 @@ def run(args):
                         f"CPU machine first, and carry {bench_dir} to the device")
     if json.loads(manifest.read_text())["smoke"] and not args.smoke:
         raise UserError(f"{bench_dir} was prepared with --smoke (a few images): prepare again without it")
-    unknown = sorted(set(args.skip) - set(STAGES) | ({"setup"} & set(args.skip)))
+    skippable = [name for name in STAGES if name != "setup"]  # setup makes the data every other stage reads
+    unknown = sorted(set(args.skip) - set(skippable))
     if unknown:
         raise UserError(f"--skip {','.join(unknown)}: not a stage that can be skipped; choose among "
-                        f"{','.join(name for name in STAGES if name != 'setup')}")
+                        f"{','.join(skippable)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no GPU that torch sees (a CPU check: --smoke --device cpu)")
     for folder, flag in ((out, "--out"), (work, "--work_dir")):
@@ -578,12 +580,12 @@ def number_or_dash(value, pattern="{:,.1f}"):
     return "-" if value is None else pattern.format(value)
 
 
-def cifar_rows(stages):
+def cifar_rows(stages, *, variant):
     """The table's rows: ours cold, warm and the variant, the reference."""
     rows = []
     for name, what in (("ours_cold", "ours, cold (no image check, decode or compile cache)"),
                        ("ours_warm", "ours, warm (the caches of the run above)"),
-                       ("ours_variant", f"ours, warm, `--variant {stages.get('ours_variant', {}).get('preset')}`"),
+                       ("ours_variant", f"ours, warm, `--variant {variant}`"),
                        ("reference", "reference (`resnet18_reference.py`)")):
         stage = stages.get(name, {"status": "not run"})
         got = stage.get("results", {})
@@ -660,8 +662,8 @@ def markdown(report):
             lines.append(readable(command) + note)
     lines += ["```", "",
               "| run | validation accuracy | wall time, launch to exit (s) | first optimizer step (s after launch) | "
-              "training images/s | status |", "|---|---|---|---|---|---|", *cifar_rows(stages), "",
-              *time_spent(stages)]
+              "training images/s | status |", "|---|---|---|---|---|---|",
+              *cifar_rows(stages, variant=report["variant"]), "", *time_spent(stages)]
     peers = stages.get("seedlings", {}).get("results", {})
     rows, target = peer_rows(peers)
     if rows:
