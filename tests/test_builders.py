@@ -585,6 +585,18 @@ def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_
     assert fell_back == (config == "bf16" and expected == "no")
 
 
+def test_pytorch_kept_to_avx2_counts_as_a_cpu_without_bf16_instructions():
+    """ATEN_CPU_CAPABILITY=avx2 keeps PyTorch's kernels off the bf16 instructions the CPU may have: fp32 then, as
+    on a CPU without them (how docs/tests.md times the suite for the AVX2-only kind on another)."""
+    program = ("import sys; sys.path.insert(0, '.'); import torch; from common.distributed import cpu_computes_bf16; "
+               "print(torch.backends.cpu.get_cpu_capability(), cpu_computes_bf16())")
+    kept = run_command([sys.executable, "-c", program], env={"ATEN_CPU_CAPABILITY": "avx2"})
+    assert kept.returncode == 0 and kept.stdout.split() == ["AVX2", "False"], kept.output
+    import common.distributed
+    has = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert common.distributed.cpu_computes_bf16() == (has and torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
 def test_macro_f1_is_scikit_learns_with_absent_and_never_predicted_classes():
     from sklearn.metrics import f1_score
 
