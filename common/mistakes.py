@@ -4,8 +4,11 @@ pairs it confuses, each class's recall and worst images, and the images whose gi
 `write_mistakes_report` writes, into a run's folder (or scripts/evaluate.py's): report.html (self-contained: the
 thumbnails, curves and confusion matrix embedded, no network), mistakes.json (what the report shows), losses.csv
 (every evaluated image, highest loss first) and label_issues.csv (the suspected wrong labels, most suspect first).
-Suspected wrong labels are cleanlab's confident learning (`find_label_issues`, Northcutt et al. 2021): an image is
-flagged when the model's probability for another class is above that class's average self-confidence.
+Suspected wrong labels are confident learning (Northcutt et al. 2021) as cleanlab's `find_label_issues` does it by
+default: an image is flagged when the model's probability for another class is above that class's average
+self-confidence, as many per pair of classes as the calibrated confident joint counts. Written out here in numpy, the
+same steps and results (tests/test_report.py holds it to cleanlab's): importing cleanlab imports scikit-learn, a
+second at the end of every run.
 """
 
 import base64
@@ -13,7 +16,6 @@ import csv
 import html
 import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,35 +75,76 @@ def find_mistakes(evaluation, *, class_names, files=None):
 
 def find_label_issues(scores, *, class_names, files=None, split, trained_on):
     """The images of `scores` (an `evaluate` result) whose given label the model finds least likely, most suspect
-    first, by cleanlab's confident learning; `split` names the images in the report, `trained_on` whether the
-    model trained on them (then a wrong label it learned to repeat is not found: the report says so)."""
-    confident_learning = _import_confident_learning()
+    first, by confident learning; `split` names the images in the report, `trained_on` whether the model trained on
+    them (then a wrong label it learned to repeat is not found: the report says so)."""
     probs, labels = scores["probabilities"], scores["labels"]
     found = {"split": split, "scored": len(labels), "accuracy": float((probs.argmax(1) == labels).mean())}
     if len(np.unique(labels)) < 2:
         return {**found, "flagged": 0, "images": [],
                 "not_computed": "these images are all of one class, and confident learning compares classes"}
-    # n_jobs=1: cleanlab's default forks a pool per call, unsafe in a process that holds a process group and threads
-    ranked = confident_learning(labels, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
-    flagged = [_image(row, scores, class_names, files) for row in ranked]
+    flagged = [_image(row, scores, class_names, files) for row in confident_learning(labels, probs)]
     method = ("They were scored by the final model without augmentation; it trained on them, so a wrong label it has "
               "learned to repeat is not found (few are in a short run: a network learns the clean majority first)."
               if trained_on else "The model did not train on them: its probabilities are out-of-sample.")
     return {**found, "flagged": len(flagged), "method": method, "images": flagged}
 
 
-def _import_confident_learning():
-    """cleanlab's find_label_issues. Importing cleanlab imports its Datalab too, and with it Hugging Face datasets (2
-    s at the end of every run); cleanlab makes Datalab unavailable when that import fails, and it is not used here."""
-    blocked = "datasets" not in sys.modules
-    if blocked:
-        sys.modules["datasets"] = None  # `import datasets` raises ImportError while cleanlab is imported
-    try:
-        from cleanlab.filter import find_label_issues
-    finally:
-        if blocked:
-            del sys.modules["datasets"]
-    return find_label_issues
+def confident_learning(labels, probs):
+    """The rows whose given label (`labels`, N) is likely wrong under `probs` (N x classes), most suspect (lowest
+    probability of the given label) first: cleanlab's `find_label_issues(labels, probs,
+    return_indices_ranked_by="self_confidence")`, its defaults (prune by noise rate), step for step."""
+    n, k = probs.shape
+    counts = np.bincount(labels, minlength=k)
+    # each class's threshold: its images' mean probability for it (2, above any, for a class with no image)
+    thresholds = np.clip([np.mean(probs[:, c][labels == c]) if counts[c] else 2 for c in range(k)], 2e-6, None)
+    # the confident joint, rows the given label and columns the true one guessed: a row's class where one
+    # probability is above its threshold, the most probable where several are, uncounted where none
+    above = probs >= thresholds - 1e-6
+    confident = above.sum(axis=1) > 0
+    guess = np.where(above.sum(axis=1) > 1, probs.argmax(axis=1), above.argmax(axis=1))
+    # (counted true-label first and transposed, as cleanlab does: its sums below then add in the same order, and
+    # calibrated counts that end in .5 round alike)
+    joint = np.bincount(guess[confident] * k + labels[confident], minlength=k * k).reshape(k, k).T
+    np.fill_diagonal(joint, joint.diagonal().clip(min=1))
+    # calibrated: each row sums to its label's count, the whole to N
+    joint = (joint.T / np.clip(joint.sum(axis=1), 1e-100, None) * counts).T
+    joint = np.apply_along_axis(_round_keeping_sum, 1, joint / np.clip(joint.sum(), 1e-100, None) * counts.sum())
+    # how many of each label to flag as each other class: at least one image of a class kept
+    prune = joint.T.astype(float)
+    kept = np.maximum(prune.diagonal(), 1)
+    prune -= (kept - prune.diagonal()) / np.maximum(np.count_nonzero(prune, axis=0) - 1.0, 1.0)
+    prune[prune < 0] = 0
+    np.fill_diagonal(prune, kept)
+    prune = prune.astype(int)
+    # within each label, the images with the largest margin of the other class over the given one
+    flagged = np.zeros(n, dtype=bool)
+    for given in range(k):
+        rows = labels == given
+        if rows.sum() <= 1:
+            continue
+        class_probs, class_flagged = probs[rows], np.zeros(rows.sum(), dtype=bool)
+        for other in range(k):
+            if other != given and prune[other, given] > 0:
+                margin = class_probs[:, other] - class_probs[:, given]
+                class_flagged[np.argsort(-margin)[:prune[other, given]]] = True
+        flagged[rows] = class_flagged
+    # never an image the model predicts its given label for
+    nudged = probs.copy()
+    nudged[np.arange(n), labels] += 1e-6
+    flagged[nudged.argmax(axis=1) == labels] = False
+    rows = np.arange(n)[flagged]
+    return rows[np.argsort(probs[np.arange(n), labels][flagged])]
+
+
+def _round_keeping_sum(values):
+    """`values` rounded to integers that keep their sum (rounded), the largest remainders rounded up."""
+    floats = np.asarray(values, dtype=float)
+    ints, total = floats.round(), floats.sum().round()
+    while abs(ints.sum().round() - total) > 1e-6:
+        step = -1 if total - ints.sum().round() < 0 else 1
+        changes = min(int(abs(np.round(total - ints.sum().round()))), len(floats))
+        ints[np.argsort(floats - ints)[::-step][:changes]] += step
+    return ints.astype(int)
 
 
 def _image(row, scores, class_names, files, loss=None):

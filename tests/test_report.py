@@ -7,7 +7,7 @@ import pytest
 from sklearn.metrics import confusion_matrix, recall_score
 
 from conftest import REPO, assert_report_shows, launch_warm, write_idx
-from common.mistakes import EXAMPLES, SHOWN, find_mistakes
+from common.mistakes import EXAMPLES, SHOWN, confident_learning, find_mistakes
 from common.mnist import FASHION_MNIST_CLASSES, build_mnist, read_idx
 
 
@@ -46,6 +46,39 @@ def test_the_mistakes_are_counted_from_the_probabilities_as_scikit_learn_counts_
         assert all(image["label"] == entry["class"] for image in entry["worst"])
         assert [image["loss"] for image in entry["worst"]] == sorted((image["loss"] for image in entry["worst"]),
                                                                      reverse=True)
+
+
+def test_confident_learning_flags_and_ranks_the_images_cleanlab_does():
+    """Ours (numpy, so that a run's end imports neither cleanlab nor scikit-learn) against cleanlab's
+    find_label_issues with the options the report uses: the same images in the same order, on softmax outputs of
+    float32 and float64, confident and unsure models, rare, missing and single-image classes, ties."""
+    import sys
+
+    sys.modules.setdefault("datasets", None)  # cleanlab's Datalab, unused, would import it (seconds)
+    from cleanlab.filter import find_label_issues
+
+    rng = np.random.default_rng(0)
+    flagged = 0
+    for trial in range(300):
+        classes, n = int(rng.integers(2, 13)), int(rng.integers(2, 800))
+        labels = rng.integers(0, classes, n)
+        if trial % 5 == 1:
+            labels[labels == classes - 1] = 0  # a class absent from the labels
+        if trial % 5 == 2:
+            labels[rng.integers(0, n)] = classes - 1  # a class of one image (or more, by the draw)
+        strength = rng.uniform(0, 6)
+        logits = rng.normal(size=(n, classes)) + strength * np.eye(classes)[labels]
+        logits[rng.random(n) < 0.1] = logits[0]  # repeated rows: ties in every sort
+        probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        probs = probs.astype(np.float32 if trial % 2 else np.float64)
+        probs /= probs.sum(1, keepdims=True)
+        if len(np.unique(labels)) < 2:
+            continue
+        expected = find_label_issues(labels, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
+        ours = confident_learning(labels, probs)
+        assert ours.tolist() == expected.tolist(), (trial, classes, n)
+        flagged += len(ours)
+    assert flagged > 1000  # the trials flag images, not only none
 
 
 @pytest.mark.slow
@@ -112,3 +145,37 @@ def test_the_confusion_matrix_counts_as_scikit_learn_counts_it():
     labels[labels == 3] = 4  # class 3 never in the labels
     expected = confusion_matrix(labels, predictions, labels=list(range(7)))  # class 6 in neither
     assert np.array_equal(ours(labels, predictions, 7), expected)
+
+
+def test_the_classification_report_is_scikit_learns_to_the_last_digit():
+    """Ours (numpy: a run's end no longer imports scikit-learn) against scikit-learn's, text and dict, with classes
+    absent from the labels, never predicted, in neither, long and short names, 2 to 30 classes."""
+    import json
+
+    from sklearn.metrics import classification_report as theirs
+
+    from common.reporting import classification_report
+
+    rng = np.random.default_rng(2)
+    for trial in range(300):
+        classes, n = int(rng.integers(2, 31)), int(rng.integers(1, 2000))
+        labels = rng.integers(0, classes, n)
+        predictions = np.where(rng.random(n) < rng.random(), labels, rng.integers(0, classes, n))
+        if trial % 4 == 1:
+            labels[labels == 0] = 1  # class 0 never in the labels
+        if trial % 4 == 2:
+            predictions[predictions == classes - 1] = 0  # the last class never predicted
+        names = [("class " * int(rng.integers(0, 4)) + str(c))[:int(rng.integers(1, 20))] + str(c)
+                 for c in range(classes)]
+        kwargs = dict(labels=list(range(classes)), target_names=names, digits=4, zero_division=0)
+        if trial % 50 == 3:
+            predictions = (labels + 1) % classes  # none right: scikit-learn then prints its supports as floats
+        text, report = classification_report(labels, predictions, names)
+        expected = theirs(labels, predictions, **kwargs)
+        if (predictions == labels).any():
+            assert text == expected, trial
+        else:  # none right: scikit-learn prints its supports as floats (12.0), ours as the counts they are
+            assert [line.split() for line in text.splitlines()] == [
+                [token[:-2] if token.endswith(".0") and token[:-2].isdigit() else token for token in line.split()]
+                for line in expected.splitlines()], trial
+        assert json.dumps(report) == json.dumps(theirs(labels, predictions, output_dict=True, **kwargs)), trial
