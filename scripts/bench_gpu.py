@@ -8,13 +8,12 @@ A session lent one GPU (an H100 or H200, no network, and ../shared does not trav
     python scripts/bench_gpu.py run --smoke --device cpu --bench_dir outputs/bench-gpu-smoke --out outputs/smoke
 
 `prepare` puts into --bench_dir what the device lacks: the CIFAR-10 JPEG archive (copied), the Plant Seedlings
-images re-encoded as JPEG quality 90 at their 150 px (one stored zip: the shared PNGs are 134 MB), the peers'
-scripts, and the wheels of cleanlab and of what it needs beyond the device's packages (pandas, termcolor).
+images re-encoded as JPEG quality 90 at their 150 px (one stored zip: the shared PNGs are 134 MB) and the peers'
+scripts. Every package ours needs is on the device.
 
 `run` extracts the data into --work_dir, splits CIFAR-10 45,000 / 5,000 (stratified, scripts/split_dataset.py),
-installs the carried wheels where cleanlab is missing (where it still cannot be imported, ours runs with
---no-find_label_issues, and the table says so), then runs each stage as a process with a timeout from
-BUDGET_S, all within --budget_s (a stage whose time is gone is skipped, and the table says so):
+then runs each stage as a process with a timeout from BUDGET_S, all within --budget_s (a stage whose time is gone
+is skipped, and the table says so):
   reference   resnet18_reference.py (the published fast recipe in plain PyTorch) on the split
   ours_cold   train_cifar.py with the --preset recipe, without the image check, decode cache and compile cache
   ours_warm   the same command again, those caches kept
@@ -33,7 +32,6 @@ CPU: 70-85 s on the 2-core EPYC (2026-11-27).
 """
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -52,7 +50,6 @@ from io import BytesIO
 from pathlib import Path
 
 import torch
-from packaging.requirements import Requirement  # Accelerate's dependency
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,11 +99,6 @@ SEEDLINGS_QUALITY = 90  # 24 MiB for the 3,319 images (95: 35 MiB, too much besi
 SEEDLINGS_ZIP = f"plant-seedlings-jpeg{SEEDLINGS_QUALITY}.zip"
 PEERS = ("resnet18_reference.py", "timm_train.py", "cv_example.py")
 MiB = 1 << 20
-# what the device has installed (the lent machine's description); their dependencies come from this environment
-DEVICE_PACKAGES = ("torch", "torchvision", "accelerate", "timm", "scikit-learn", "matplotlib", "safetensors", "pillow",
-                   "numpy", "tqdm")
-DEVICE = {"python_version": "3.12", "sys_platform": "linux", "platform_system": "Linux", "extra": ""}
-WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 def parse_args(argv=None):
@@ -132,7 +124,7 @@ def parse_args(argv=None):
                         help="run: stages not to run, comma-separated (reference,ours_cold,ours_warm,ours_variant,"
                              "seedlings): a rerun of what failed, or of one more --variant, in the device's time")
     parser.add_argument("--smoke", action="store_true",
-                        help="a few images per class, no wheels (prepare); a few steps of each stage (run)")
+                        help="a few images per class (prepare); a few steps of each stage (run)")
     return parser.parse_args(argv)
 
 
@@ -183,66 +175,6 @@ def encode_seedlings(source, target, per_class):
     return written, unreadable
 
 
-def canonical(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requires(lines):
-    """The packages that Requires-Dist `lines` ask for on the device (its Python, Linux, no extras)."""
-    return [canonical(r.name) for r in map(Requirement, lines) if not r.marker or r.marker.evaluate(DEVICE)]
-
-
-def installed_closure(names):
-    """`names` and everything they require, as installed in this environment."""
-    found, queue = set(), [canonical(name) for name in names]
-    for name in queue:  # grows as it goes
-        if name not in found:
-            found.add(name)
-            try:
-                queue += requires(importlib.metadata.requires(name) or [])
-            except importlib.metadata.PackageNotFoundError:
-                pass
-    return found
-
-
-def fetch_wheel(name, target, reuse):
-    """`name`'s wheel for the device (this environment's version of it) into `target`: copied from `reuse` if there,
-    else downloaded. -> its Requires-Dist lines."""
-    try:
-        version = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    prefix = canonical(name).replace("-", "_") + (f"-{version}-" if version else "-")
-    found = [wheel for wheel in reuse if wheel.name.lower().startswith(prefix)]
-    if found:
-        shutil.copyfile(found[0], target / found[0].name)
-    else:
-        platforms = [arg for platform_tag in WHEEL_PLATFORMS for arg in ("--platform", platform_tag)]
-        pinned = f"{name}=={version}" if version else name
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                              "--python-version", DEVICE["python_version"], "--implementation", "cp", *platforms,
-                              "-d", target, pinned], capture_output=True, text=True)
-        if got.returncode:
-            raise UserError(f"pip could not download {pinned} for Python {DEVICE['python_version']} (no network?): "
-                            f"{(got.stderr.strip().splitlines() or ['no message'])[-1]}. Put its wheel into "
-                            f"{target.parent.name}/wheels/ from a machine that can, and prepare again")
-    wheel = next(wheel for wheel in target.glob("*.whl") if wheel.name.lower().startswith(prefix))
-    with zipfile.ZipFile(wheel) as archive:
-        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA")))
-    return re.findall(r"^Requires-Dist: (.+)$", metadata.decode(), re.M)
-
-
-def download_wheels(target, reuse):
-    """cleanlab's wheel and those of what it requires (recursively) that the device's packages do not bring (pandas
-    and termcolor: numpy, scikit-learn and tqdm are there). -> their file names."""
-    target.mkdir()
-    device_has, queue = installed_closure(DEVICE_PACKAGES), ["cleanlab"]
-    for name in queue:  # grows as it goes
-        queue += [needed for needed in requires(fetch_wheel(name, target, reuse))
-                  if needed not in device_has and needed not in queue]
-    return sorted(wheel.name for wheel in target.glob("*.whl"))
-
-
 def repository_bytes():
     """The size of what a device call sends besides the carried folder: the tracked files and the untracked ones git
     does not ignore (0 where this is no git checkout)."""
@@ -279,8 +211,6 @@ def prepare(args):
         (tmp / "peers").mkdir()
         for name in PEERS:
             shutil.copyfile(shared / "peers" / name, tmp / "peers" / name)
-        # the old folder is replaced only once this is written: its wheels are not downloaded again
-        wheels = [] if args.smoke else download_wheels(tmp / "wheels", sorted((bench_dir / "wheels").glob("*.whl")))
         sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         if sum(sizes.values()) + tree > args.max_mib * MiB:
             biggest = ", ".join(f"{name} {size / MiB:.1f}" for name, size in sorted(
@@ -288,7 +218,7 @@ def prepare(args):
             raise UserError(f"{bench_dir} would hold {sum(sizes.values()) / MiB:.1f} MiB, with the repository's "
                             f"{tree / MiB:.1f} over the {args.max_mib:g} MiB a device call carries (largest, MiB: "
                             f"{biggest}); nothing was written")
-        manifest.update(smoke=args.smoke, seedlings_images=images, seedlings_unreadable=unreadable, wheels=wheels,
+        manifest.update(smoke=args.smoke, seedlings_images=images, seedlings_unreadable=unreadable,
                         sizes=sizes, mib=round(sum(sizes.values()) / MiB, 2), prepared=time.strftime("%Y-%m-%d"))
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
@@ -298,8 +228,7 @@ def prepare(args):
           f"(MiB: {manifest['sizes'][CIFAR] / MiB:.1f} "
           f"CIFAR-10, {manifest['sizes'][SEEDLINGS_ZIP] / MiB:.1f} for {manifest['seedlings_images']} seedling JPEGs"
           + (f", unreadable and left out: {', '.join(manifest['seedlings_unreadable'])}"
-             if manifest["seedlings_unreadable"] else "")
-          + (f"; wheels: {', '.join(manifest['wheels'])}" if manifest["wheels"] else "; no wheels (--smoke)") + ")")
+             if manifest["seedlings_unreadable"] else "") + ")")
     option = "" if carried == ".bench-gpu" else f" --bench_dir {carried}"
     print(f"next, one device call: command 'python3 scripts/bench_gpu.py run{option} --out \"$OUT\"' "
           f"carry [\"{carried}\"] timeout_s 500 (or `make bench-gpu` where make is installed)")
@@ -356,40 +285,17 @@ def extract(bench_dir, work, per_class):
     return cifar, work / "plant-seedlings"
 
 
-def install_wheels(bench_dir, site, *, log):
-    """The carried wheels of the packages this Python cannot import, into `site` (pip, else unzipped: they are
-    plain wheels). -> what the runs get: 'present', 'installed from the carried wheels' or 'missing: why'."""
-    if importlib.util.find_spec("cleanlab"):
-        return "present"
-    wheels = [w for w in sorted((bench_dir / "wheels").glob("*.whl"))
-              if not importlib.util.find_spec(w.name.split("-")[0].lower())]
-    if not wheels:
-        return "missing: no wheels carried (prepared with --smoke?)"
-    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", site, *wheels]
-    if not importlib.util.find_spec("pip") or run_logged(pip, log=log, timeout=120, env={})["exit_code"] != 0:
-        for wheel in wheels:
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(site)
-    check = [sys.executable, "-c", "import sys; sys.modules['datasets'] = None; import cleanlab.filter"]
-    done = run_logged(check, log=log, timeout=120, env={"PYTHONPATH": str(site)})
-    return "installed from the carried wheels" if done["exit_code"] == 0 else "missing: its import failed (setup.log)"
-
-
 def stage_setup(ctx, timeout):
-    """Extract, split CIFAR-10 45,000 / 5,000, make cleanlab importable."""
+    """Extract, split CIFAR-10 45,000 / 5,000."""
     start, log = time.perf_counter(), ctx["out"] / "setup.log"
     per_class = (SMOKE["cifar_per_class"], SMOKE["seedlings_per_class"]) if ctx["smoke"] else (None, None)
     cifar, ctx["seedlings"] = extract(ctx["bench_dir"], ctx["work"], per_class)
     ctx["split"] = ctx["work"] / "cifar10-split"
     split = run_logged([sys.executable, REPO / "scripts" / "split_dataset.py", cifar, ctx["split"], "--val_fraction",
                         "0.1", "--link"], log=log, timeout=timeout, env={})
-    ctx["cleanlab"] = install_wheels(ctx["bench_dir"], ctx["work"] / "site", log=log)
-    if ctx["cleanlab"].startswith("installed"):
-        ctx["env"]["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ctx["work"] / "site"),
-                                                                  os.environ.get("PYTHONPATH")]))
     counts = {part: sum(1 for p in (ctx["split"] / part).rglob("*") if p.is_file()) for part in ("train", "val")}
     return {**split, "wall_s": round(time.perf_counter() - start, 1), "log": log.name,
-            "results": {"cifar10_images": counts, "cleanlab": ctx["cleanlab"],
+            "results": {"cifar10_images": counts,
                         "seedlings_images": sum(1 for p in ctx["seedlings"].rglob("*.jpg"))}}
 
 
@@ -408,8 +314,6 @@ def ours_command(ctx, output_dir, *, preset):
     flags = PRESETS[preset].split()
     if ctx["smoke"]:
         flags = [flag for flag in flags if flag != "--compile"] + SMOKE["ours"].split()
-    if not ctx["cleanlab"].startswith(("present", "installed")):
-        flags.append("--no-find_label_issues")  # the suspected-label pass needs cleanlab
     config = (["accelerate_configs/1gpu.yaml"] if ctx["device"] == "cuda"
               else ["accelerate_configs/cpu.yaml", "--num_processes", "1"])
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", *config, "scripts/train_cifar.py",
@@ -468,8 +372,6 @@ def stage_seedlings(ctx, timeout):
                "--peers_dir", ctx["bench_dir"] / "peers", "--device", ctx["device"], "--mixed_precision", bf16,
                "--seeds", "42", "--work_dir", work, "--output", ctx["work"] / "peers.json",
                *(SMOKE["seedlings"].split() if ctx["smoke"] else [])]
-    if not ctx["cleanlab"].startswith(("present", "installed")):
-        command.append("--ours_args=--no-find_label_issues")
     done = run_logged(command, log=log, timeout=timeout, env=ctx["env"])
     with open(log, "a") as out:  # each script's own log, timed per line by benchmark_peers.py
         for each in sorted((work / "runs").glob("*/*.log")):
@@ -547,7 +449,7 @@ def run(args):
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
     ctx = {"bench_dir": bench_dir, "out": out, "work": work, "smoke": args.smoke, "device": args.device,
-           "preset": args.preset, "variant": args.variant, "cleanlab": "not checked",
+           "preset": args.preset, "variant": args.variant,
            # the compile caches in the work folder: ours_cold starts without them, ours_warm reuses them
            "env": {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
                    "TRITON_CACHE_DIR": str(work / "triton-cache")}}
@@ -652,7 +554,7 @@ def markdown(report):
         f"timm {m['timm']}, Python {m['python']}), the stratified {images.get('train', 0):,} / "
         f"{images.get('val', 0):,} split of the shared CIFAR-10 JPEGs (the archive has no test set: validation "
         f"accuracies), every stage in one call of {report['wall_s']:.0f} s (`python3 scripts/bench_gpu.py run`, "
-        f"preset `{report['preset']}`; cleanlab {setup.get('cleanlab', 'not checked')}). The commands:",
+        f"preset `{report['preset']}`). The commands:",
         "", "```",
         "python scripts/split_dataset.py data/cifar10/train SPLIT --val_fraction 0.1 --link"]
     for name, note in (("reference", ""), ("ours_cold", "   # cold, then again warm"),

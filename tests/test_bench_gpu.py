@@ -42,7 +42,7 @@ def test_prepare_fills_the_folder_and_says_the_device_command(tmp_path):
     result = script("bench_gpu.py", "prepare", "--shared", shared, "--smoke", "--bench_dir", bench)
     assert result.returncode == 0, result.output
     manifest = json.loads((bench / "manifest.json").read_text())
-    assert manifest["smoke"] and manifest["wheels"] == [] and manifest["seedlings_unreadable"] == []
+    assert manifest["smoke"] and manifest["seedlings_unreadable"] == []
     assert manifest["seedlings_images"] == 85  # at most 8 per class: all of the fixture's
     with tarfile.open(bench / "cifar10-train-jpeg.tar.gz") as archive:  # at most 30 per class: all 151
         assert len([m for m in archive.getmembers() if m.isfile()]) == 151
