@@ -278,9 +278,9 @@ def render_report(summary, *, dataset, training_set, output_dir):
         body = f"<p>not computed: {_e(issues['not_computed'])}</p>"
     else:
         body = (f"<p class=note>{issues['flagged']:,} of the {issues['scored']:,} {_e(issues['split'])} images are "
-                f"flagged by confident learning (cleanlab); the model is right on {100 * issues['accuracy']:.1f}% of "
-                f"them. {_e(issues['method'])} The {len(issues['images'])} most suspect are shown, given label "
-                "&rarr; the model's class; all are in label_issues.csv.</p>"
+                f"flagged by confident learning (as cleanlab finds them); the model is right on "
+                f"{100 * issues['accuracy']:.1f}% of them. {_e(issues['method'])} The {len(issues['images'])} most "
+                "suspect are shown, given label &rarr; the model's class; all are in label_issues.csv.</p>"
                 f"{gallery(issues['images'], source=training_set)}")
     parts.append(f"<section id=label-issues><h2>Suspected wrong labels</h2>{body}</section>")
 

@@ -14,7 +14,7 @@ Preprocessing is the training run's evaluation (meta.json's eval_transform, mean
 Writes to --output_dir: classification_report.txt/.json, confusion_matrix.png, predictions.csv (one row per
 image: index, file for folder datasets, label, prediction, probability), the mistakes report (report.html: the
 highest-loss images, confused pairs, each class's worst images, and the images whose label is suspect, by
-cleanlab's confident learning; mistakes.json, losses.csv, label_issues.csv), and prints accuracy and macro-F1.
+confident learning, as cleanlab's; mistakes.json, losses.csv, label_issues.csv), and prints accuracy and macro-F1.
 
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/evaluate.py \\
         --model_dir outputs/cifar/best --data_dir data --output_dir outputs/cifar/test
