@@ -86,7 +86,7 @@ def cpu_computes_bf16():
     bf16 autocast converts. ATEN_CPU_CAPABILITY=avx2 (with oneDNN's ONEDNN_MAX_CPU_ISA=AVX2) keeps PyTorch to AVX2 as
     on a CPU without them: then fp32, as there (docs/tests.md measures the suite that way)."""
     return ((torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+            and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2"))
 
 
 def join_after_restart(*, cpu, dist_timeout=None):
