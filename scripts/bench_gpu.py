@@ -439,8 +439,8 @@ def run(args):
     skippable = [name for name in STAGES if name != "setup"]  # setup makes the data every other stage reads
     unknown = sorted(set(args.skip) - set(skippable))
     if unknown:
-        raise UserError(f"--skip {','.join(unknown)}: not a stage that can be skipped; choose among "
-                        f"{','.join(skippable)}")
+        raise UserError(f"--skip {', '.join(repr(name) for name in unknown)}: not a stage that can be skipped; "
+                        f"choose among {','.join(skippable)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no GPU that torch sees (a CPU check: --smoke --device cpu)")
     for folder, flag in ((out, "--out"), (work, "--work_dir")):

@@ -103,10 +103,12 @@ def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path
         "skipped: --skip"] * 2
     markdown = (tmp_path / "out" / "bench-gpu.md").read_text()
     assert all(f"| {name} | skipped: " in markdown for name in STAGES)
-    for skip in ("setup", "reference,ours", "seedling"):  # setup makes the data every stage reads
+    # setup makes the data every stage reads; an empty name (a trailing comma) is named too
+    for skip, named in (("setup", "'setup'"), ("reference,ours", "'ours'"), ("seedling", "'seedling'"),
+                        ("", "''"), ("reference,", "''")):
         error = refused("bench_gpu.py", "run", "--smoke", "--device", "cpu", "--bench_dir", tmp_path / "bench",
                         "--out", tmp_path / "out2", "--skip", skip)
-        assert error.startswith(f"error: --skip {skip.split(',')[-1]}: not a stage that can be skipped; choose among "
+        assert error.startswith(f"error: --skip {named}: not a stage that can be skipped; choose among "
                                 "reference,ours_cold,ours_warm,ours_variant,seedlings"), error
     assert not (tmp_path / "out2").exists()
 
