@@ -76,17 +76,24 @@ def choose_mixed_precision(given, *, cpu):
     if config is None:
         return "bf16" if native else "no", None
     if config == "bf16" and cpu and not native:
-        return "no", ("the accelerate config asks for bf16, which this CPU has no instructions for (AVX-512 BF16 or "
-                      "AMX) and would run slower than fp32: running in fp32 (--mixed_precision bf16 forces it)")
+        why = ("this CPU has no bf16 instructions (AVX-512 BF16 or AMX)" if not cpu_has_bf16_instructions() else
+               "PyTorch is kept from this CPU's bf16 instructions (ATEN_CPU_CAPABILITY="
+               f"{os.environ.get('ATEN_CPU_CAPABILITY', '')})")
+        return "no", (f"the accelerate config asks for bf16, but {why}, where bf16 runs slower than fp32: running in "
+                      "fp32 (--mixed_precision bf16 forces it)")
     return config, None
 
 
 def cpu_computes_bf16():
-    """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX) and PyTorch's kernels may use them, without which
-    bf16 autocast converts. ATEN_CPU_CAPABILITY=avx2 (with oneDNN's ONEDNN_MAX_CPU_ISA=AVX2) keeps PyTorch to AVX2 as
-    on a CPU without them: then fp32, as there (docs/tests.md measures the suite that way)."""
-    return ((torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-            and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2"))
+    """Whether this CPU has bf16 instructions and PyTorch's kernels may use them, without which bf16 autocast
+    converts. ATEN_CPU_CAPABILITY=avx2 (with oneDNN's ONEDNN_MAX_CPU_ISA=AVX2) keeps PyTorch to AVX2 as on a CPU
+    without them: then fp32, as there (docs/tests.md measures the suite that way)."""
+    return cpu_has_bf16_instructions() and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
+def cpu_has_bf16_instructions():
+    """AVX-512 BF16 or AMX."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def join_after_restart(*, cpu, dist_timeout=None):

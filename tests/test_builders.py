@@ -573,6 +573,7 @@ def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_
     import common.distributed
 
     monkeypatch.setattr(common.distributed, "cpu_computes_bf16", lambda: has_bf16)
+    monkeypatch.setattr(common.distributed, "cpu_has_bf16_instructions", lambda: has_bf16)
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     if config:
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", config)
@@ -581,19 +582,27 @@ def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    fell_back = "the accelerate config asks for bf16, which this CPU has no instructions for" in capsys.readouterr().out
+    fell_back = "the accelerate config asks for bf16, but this CPU has no bf16 instructions" in capsys.readouterr().out
     assert fell_back == (config == "bf16" and expected == "no")
 
 
 def test_pytorch_kept_to_avx2_counts_as_a_cpu_without_bf16_instructions():
     """ATEN_CPU_CAPABILITY=avx2 keeps PyTorch's kernels off the bf16 instructions the CPU may have: fp32 then, as
-    on a CPU without them (how docs/tests.md times the suite for the AVX2-only kind on another)."""
-    program = ("import sys; sys.path.insert(0, '.'); import torch; from common.distributed import cpu_computes_bf16; "
-               "print(torch.backends.cpu.get_cpu_capability(), cpu_computes_bf16())")
-    kept = run_command([sys.executable, "-c", program], env={"ATEN_CPU_CAPABILITY": "avx2"})
-    assert kept.returncode == 0 and kept.stdout.split() == ["AVX2", "False"], kept.output
+    on a CPU without them (how docs/tests.md times the suite for the AVX2-only kind on another), and the line
+    that says so names the cause."""
     import common.distributed
-    has = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+    has = common.distributed.cpu_has_bf16_instructions()
+    program = ("import sys; sys.path.insert(0, '.'); import torch; from common.distributed import *; "
+               "print(torch.backends.cpu.get_cpu_capability(), cpu_computes_bf16()); "
+               "print(*choose_mixed_precision(None, cpu=True), sep='\\n')")
+    kept = run_command([sys.executable, "-c", program], env={"ATEN_CPU_CAPABILITY": "avx2",
+                                                             "ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert kept.returncode == 0 and kept.stdout.splitlines()[0].split() == ["AVX2", "False"], kept.output
+    cause = "PyTorch is kept from this CPU's bf16 instructions (ATEN_CPU_CAPABILITY=avx2)" if has else \
+        "this CPU has no bf16 instructions (AVX-512 BF16 or AMX)"
+    assert kept.stdout.splitlines()[1:] == ["no", f"the accelerate config asks for bf16, but {cause}, where bf16 runs "
+                                            "slower than fp32: running in fp32 (--mixed_precision bf16 forces it)"]
     kept_below = torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2")
     assert common.distributed.cpu_computes_bf16() == (has and not kept_below)
 
