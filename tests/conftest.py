@@ -83,7 +83,7 @@ def script(name, *args):
     and its DataLoader workers write to stdout and stderr captured (Python's and the C libraries'), SystemExit as the
     exit code, an uncaught exception as exit code 1 with its traceback; then the state a run leaves in its process
     (Accelerate's, the SIGTERM handler, the run folder's lock, torch's thread count) put back. It saves each call an
-    interpreter with torch, Accelerate and timm to start (5-7 s on a 2-core CPU). Where a process is the point
+    interpreter with torch and Accelerate to start (seconds on a 2-core CPU). Where a process is the point
     (signals, a launcher, an environment), the tests start one: `run_command` or `launch`."""
     from accelerate.state import AcceleratorState, GradientState
 
