@@ -117,7 +117,8 @@ def test_folder_splits_are_scikit_learns_train_test_split_and_a_split_too_small_
 def test_a_process_of_a_launch_imports_neither_scikit_learn_nor_datasets_it_does_not_use():
     """2-3 s each on every process: the digits are read (and folders split) without scikit-learn, Accelerate's
     preparing of a DataLoader for 2 processes no longer imports Hugging Face datasets to look for its
-    IterableDataset, and cleanlab, which the end of a run imports, no longer imports it for its Datalab (unused)."""
+    IterableDataset, and the end of a run (the suspected labels, the classification report) imports neither
+    cleanlab nor scikit-learn (about a second)."""
     code = ("import sys; import torch; from accelerate.data_loader import prepare_data_loader; "
             "import common.distributed; from common.mnist import build_digits; "
             "from common.images import split_dataset; "
@@ -128,10 +129,13 @@ def test_a_process_of_a_launch_imports_neither_scikit_learn_nor_datasets_it_does
             "scores = dict(probabilities=torch.eye(10)[test.labels].numpy() * 0.9 + 0.01, labels=test.labels.numpy(), "
             "indices=torch.arange(len(test)).numpy()); scores['labels'][:5] = (scores['labels'][:5] + 1) % 10; "
             "found = find_label_issues(scores, class_names=test.classes, split='test', trained_on=False); "
-            "print(found['flagged'], 'datasets' in sys.modules)")
+            "from common.reporting import classification_report; "
+            "text, _ = classification_report(scores['labels'], scores['probabilities'].argmax(1), test.classes); "
+            "print(found['flagged'], 'accuracy' in text, "
+            "sorted(m for m in ('sklearn', 'datasets', 'cleanlab') if m in sys.modules))")
     result = run_command([sys.executable, "-c", code])
     assert result.returncode == 0, result.output
-    assert result.stdout.splitlines()[-2:] == ["[]", "5 False"], result.output
+    assert result.stdout.splitlines()[-2:] == ["[]", "5 True []"], result.output
 
 
 # --- CIFAR-10 sources ----------------------------------------------------------------------------
