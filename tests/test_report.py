@@ -48,13 +48,14 @@ def test_the_mistakes_are_counted_from_the_probabilities_as_scikit_learn_counts_
                                                                      reverse=True)
 
 
-def test_confident_learning_flags_and_ranks_the_images_cleanlab_does():
+def test_confident_learning_flags_and_ranks_the_images_cleanlab_does(monkeypatch):
     """Ours (numpy, so that a run's end imports neither cleanlab nor scikit-learn) against cleanlab's
     find_label_issues with the options the report uses: the same images in the same order, on softmax outputs of
     float32 and float64, confident and unsure models, rare, missing and single-image classes, ties."""
     import sys
 
-    sys.modules.setdefault("datasets", None)  # cleanlab's Datalab, unused, would import it (seconds)
+    if "datasets" not in sys.modules:  # cleanlab's Datalab, unused, would import it (seconds); put back after
+        monkeypatch.setitem(sys.modules, "datasets", None)
     from cleanlab.filter import find_label_issues
 
     rng = np.random.default_rng(0)
