@@ -100,8 +100,9 @@ def confident_learning(labels, probs):
     # the confident joint, rows the given label and columns the true one guessed: a row's class where one
     # probability is above its threshold, the most probable where several are, uncounted where none
     above = probs >= thresholds - 1e-6
-    confident = above.sum(axis=1) > 0
-    guess = np.where(above.sum(axis=1) > 1, probs.argmax(axis=1), above.argmax(axis=1))
+    classes_above = above.sum(axis=1)
+    confident = classes_above > 0
+    guess = np.where(classes_above > 1, probs.argmax(axis=1), above.argmax(axis=1))
     # (counted true-label first and transposed, as cleanlab does: its sums below then add in the same order, and
     # calibrated counts that end in .5 round alike)
     joint = np.bincount(guess[confident] * k + labels[confident], minlength=k * k).reshape(k, k).T
@@ -119,10 +120,10 @@ def confident_learning(labels, probs):
     # within each label, the images with the largest margin of the other class over the given one
     flagged = np.zeros(n, dtype=bool)
     for given in range(k):
-        rows = labels == given
-        if rows.sum() <= 1:
+        if counts[given] <= 1:
             continue
-        class_probs, class_flagged = probs[rows], np.zeros(rows.sum(), dtype=bool)
+        rows = labels == given
+        class_probs, class_flagged = probs[rows], np.zeros(counts[given], dtype=bool)
         for other in range(k):
             if other != given and prune[other, given] > 0:
                 margin = class_probs[:, other] - class_probs[:, given]
