@@ -110,9 +110,11 @@ def test_an_error_or_a_live_worker_at_exit_never_hangs_the_process(tmp_path, see
     log = tmp_path / "log"
     process = spawn(command, log=log)
     ended = "a bug in the copied script" if mode == "raise" else "outputs written to"
+    family = set()  # the training processes and their DataLoader workers, as seen while the run went on: read
+    #                 only once its last line is out, a fast exit could already have ended them (an empty family)
     try:
-        wait_for(lambda: ended in log.read_text(), process, timeout=300)
-        family = descendants(process.pid)[1:]  # the training processes and their DataLoader workers
+        wait_for(lambda: family.update(descendants(process.pid)[1:]) or ended in log.read_text(), process,
+                 timeout=300)
         code = process.wait(timeout=30)  # before the fix: never (the workers ignore the SIGTERM sent at exit)
     finally:
         kill_everything(process)
