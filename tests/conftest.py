@@ -20,7 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+
+# The pytest-xdist workers share the cores: each takes its share (1 of 2). A run in a worker (or a process it starts)
+# with a thread per core waits, at every operation's end, for a thread of it that the other worker's processes keep
+# off its core: a 1-process digits run took 25-30 s beside two busy processes with 2 threads, 4.5 s with 1. Set
+# before torch is imported (it reads it once); every process the tests start inherits it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                    // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+import torch  # noqa: E402
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
