@@ -156,7 +156,9 @@ def load_script(name):
     """scripts/NAME as a module, to call its parse_args and main in this process."""
     spec = importlib.util.spec_from_file_location(Path(name).stem, REPO / "scripts" / name)
     module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
     spec.loader.exec_module(module)
+    sys.path[:] = path  # each script puts the repository first on it: once per load, the suite's hundreds of times
     return module
 
 
