@@ -10,7 +10,8 @@ PYTHON ?= python3
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # pytest-xdist workers, each taking a whole test file at a time (a file's tests share its runs): 2 finish the
-# suite 1.25x sooner on 2 cores, where a launch's start and end leave a core idle (BENCHMARKS.md); 0: one process
+# suite 1.25x sooner on 2 cores, where a launch's start and end leave a core idle (BENCHMARKS.md); 0: one process.
+# Each worker's runs take its share of the cores as threads (tests/conftest.py: OMP_NUM_THREADS)
 WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -n $(WORKERS) --dist loadfile
 
