@@ -118,6 +118,9 @@ def _run_script(script, args, env, cwd, out, err):
         os.close(file)
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True) for fd in (1, 2))
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # a process the forkserver starts has its start method (forkserver) as the default; a launched script has the
+    # platform's (fork), so its DataLoader workers are forked from it, not from a new server it would have to start
+    multiprocessing.set_start_method(None, force=True)
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # read at import, in the server
     sys.argv, sys.path[0] = [script, *args], str(Path(script).parent)
