@@ -84,10 +84,10 @@ def load_hf(data_dir, config=None, *, streaming=False):
     import datasets  # imported here: only this source needs it (2 s)
 
     if streaming:
-        # datasets waits 5 s each time a stream of several shards is read through (every epoch; the validation split's
-        # one read), so that Arrow's reading threads are done before a process that ends just then tears its
-        # interpreter down (apache/arrow#45214). The scripts never tear theirs down (common.errors.end_process ends
-        # them with os._exit): the wait is only time lost, 20 s of a 3-epoch run.
+        # datasets waits 5 s each time a shuffled stream of several shards is read through (every epoch), so that
+        # Arrow's reading threads are done before a process that ends just then tears its interpreter down
+        # (apache/arrow#45214). The scripts never tear theirs down (common.errors.end_process ends them with
+        # os._exit): the wait is only time lost, 15 s of a 3-epoch run.
         datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
     if os.environ.get("RANK", "0") != "0":  # one process shows the download and conversion
         datasets.disable_progress_bars()
