@@ -15,14 +15,16 @@ from safetensors import SafetensorError
 from .errors import NothingToDo, UserError
 from .flags import ArgumentParser, args_to_dict, check_args
 from .models import check_weights, read_json
-from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, has_checkpoint, publish, remove,
-                      remove_previous_run, write_atomically)
+from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, finish_later, finish_writes, has_checkpoint,
+                      publish, remove, remove_previous_run, write_atomically)
 from .reporting import truncate_metrics
 
 
-def save_checkpoint(accelerator, output_dir, name, *, state, keep):
+def save_checkpoint(accelerator, output_dir, name, *, state, keep, publish_later=False):
     """Save the run as checkpoints/NAME (`state` as trainer_state.json), point `latest` at it and keep the newest
-    `keep`; every process calls it. Written in .tmp-NAME, then published: after any kill `latest` names a whole one."""
+    `keep`; every process calls it. Written in .tmp-NAME, then published: after any kill `latest` names a whole one.
+    `publish_later`: process 0 checksums, flushes and publishes it on common.outputs.finish_later's thread while
+    training goes on (every file is complete when save_state returns; the next save or the run's end waits)."""
     checkpoints = Path(output_dir) / "checkpoints"
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
     if accelerator.is_main_process:
@@ -32,21 +34,33 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep):
     try:
         with failed_write_is_said(final):
             accelerator.save_state(tmp, safe_serialization=True)
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:  # each file's size and checksum, verified before a resume uses them
-                state = {**state, "files": {str(file.relative_to(tmp)): [file.stat().st_size, sha256(file)]
-                                            for file in sorted(tmp.rglob("*")) if file.is_file()}}
-                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-                publish(tmp, final)  # may replace the same point (a resumed run that stopped again at once)
-    finally:
+        accelerator.wait_for_everyone()
+    except BaseException:
         if accelerator.is_main_process:
             remove(tmp)  # after a failure: nothing half-written stays
-    if accelerator.is_main_process:
+        raise
+
+    def finish():
+        try:
+            with failed_write_is_said(final):  # each file's size and checksum, verified before a resume uses them
+                files = {str(file.relative_to(tmp)): [file.stat().st_size, sha256(file)]
+                         for file in sorted(tmp.rglob("*")) if file.is_file()}
+                (tmp / "trainer_state.json").write_text(json.dumps({**state, "files": files}, indent=1))
+                publish(tmp, final)  # may replace the same point (a resumed run that stopped again at once)
+        finally:
+            remove(tmp)
         write_atomically(checkpoints / "latest", lambda path: path.write_text(name + "\n"))
         remove_previous_run(output_dir)  # the run an --overwrite replaced: this run can now be resumed instead
         names = sorted(path.name for path in checkpoints.glob("epoch_*"))  # training order; `name` is the last
         for old in names[:-keep]:
             remove(checkpoints / old)
+
+    if accelerator.is_main_process:
+        if publish_later:
+            finish_later(finish)
+        else:
+            finish_writes()  # in order: what was handed over before
+            finish()
     accelerator.wait_for_everyone()
     return final
 

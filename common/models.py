@@ -95,9 +95,9 @@ def resize_size(image_size):
     return round(image_size / 0.875)
 
 
-def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
+def save_best_model(accelerator, model, output_dir, *, meta, evaluation, publish_later=False):
     """Replace best/ as a whole: model.safetensors, meta.json, val_predictions.csv (this evaluation) and, for a timm
-    model, timm's config.json (`timm_config`)."""
+    model, timm's config.json (`timm_config`). `publish_later`: see common.outputs.write_atomically."""
     # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if not accelerator.is_main_process:
@@ -113,7 +113,7 @@ def save_best_model(accelerator, model, output_dir, *, meta, evaluation):
             (folder / "config.json").write_text(json.dumps(config, indent=2))
         write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
 
-    write_atomically(Path(output_dir) / "best", write)
+    write_atomically(Path(output_dir) / "best", write, publish_later=publish_later)
 
 
 def timm_config(model, meta):

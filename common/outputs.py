@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import uuid
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -121,6 +122,7 @@ def _lock_host_name():
 
 @atexit.register
 def unlock_output_dirs():
+    finish_writes(raise_error=False)  # a run that failed: what it handed over is on the disk before the folder is free
     while _locks:
         _locks.popitem()[1].release(force=True)
 
@@ -210,17 +212,63 @@ class WriteFailed(UserError):
                 + self.fix)
 
 
-def write_atomically(path, write):
+def write_atomically(path, write, *, publish_later=False):
     """Write the file or folder `path` whole or not at all: `write(tmp)` writes a temporary beside it, which
-    `publish` renames over `path`. Every file a run or tool writes goes through here."""
+    `publish` renames over `path`. Every file a run or tool writes goes through here. `publish_later`: the flush and
+    the rename are done by `finish_later`'s thread, after `write` has returned."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")  # the suffix: savefig, np.save read it
+
+    def finish():
+        try:
+            with failed_write_is_said(path):
+                publish(tmp, path)
+        finally:
+            remove(tmp)
+
+    if publish_later:
+        finish_writes()  # one at a time: the one handed over before may be this path's, under the same temporary
     try:
         with failed_write_is_said(path):
             write(tmp)
-            publish(tmp, path)
-    finally:
+    except BaseException:
         remove(tmp)
+        raise
+    if publish_later:
+        finish_later(finish)
+    else:
+        finish()
+
+
+_finishing = {"thread": None, "error": None}  # the write finish_later took over, and what it raised
+
+
+def finish_later(finish):
+    """Call `finish` (the last part of a write: checksums, flushing to the disk, renames; it must not read what
+    training changes) on a thread of its own, so that training goes on meanwhile (on a GPU the flush alone cost a
+    third of a second an epoch). One at a time: the write handed over before it is finished first, so they land
+    in order. Its error is raised by the next `finish_later` or `finish_writes`. Not a daemon: the process's exit
+    (common.errors.end_process) waits for it."""
+    finish_writes()
+
+    def run():
+        try:
+            finish()
+        except BaseException as error:  # noqa: BLE001 (raised again in the caller's thread)
+            _finishing["error"] = error
+
+    thread = _finishing["thread"] = threading.Thread(target=run, name="finish_writes")
+    thread.start()
+
+
+def finish_writes(*, raise_error=True):
+    """Wait for the write `finish_later` took over to be on the disk under its name; raise its error here."""
+    thread, _finishing["thread"] = _finishing["thread"], None
+    if thread is not None:
+        thread.join()
+    error, _finishing["error"] = _finishing["error"], None
+    if error is not None and raise_error:
+        raise error
 
 
 @contextmanager

@@ -41,7 +41,7 @@ from .distributed import STARTED, BatchNormMerge
 from .errors import Interrupted, UserError
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
-from .outputs import WriteFailed, set_aside_earlier_run, unlock_output_dirs
+from .outputs import WriteFailed, finish_writes, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, write_reports
 
 # tqdm's monitor thread exits as evaluation forks its DataLoader workers, which can deadlock the child (a
@@ -278,7 +278,8 @@ class TrainingRun:
             self.best_accuracy, self.best_epoch = evaluation["accuracy"], self.epoch
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
-                                  "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"]})
+                                  "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"]},
+                            publish_later=True)
 
     @names_the_last_checkpoint
     def save_checkpoint(self):
@@ -294,7 +295,8 @@ class TrainingRun:
         state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,
                      lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
                      threads_per_process=torch.get_num_threads(), order=ORDER, **self.model_info)
-        path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints)
+        path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints,
+                               publish_later=not stop)  # published while the next epoch trains
         if stop:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
                                    "Run the same command with --resume latest to continue.")
@@ -302,6 +304,7 @@ class TrainingRun:
 
     def load_best(self, model):
         """The prepared `model` with best/'s weights, on every process (to score a test set)."""
+        finish_writes()
         self.accelerator.wait_for_everyone()
         weights = load_file(self.output_dir / "best" / "model.safetensors")  # load_state_dict copies to the device
         self.accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(weights)
@@ -313,6 +316,7 @@ class TrainingRun:
         the suspected wrong labels of `train_set` from `train_scores` (`evaluate` on it unaugmented); then close
         the trackers."""
         accelerator, class_names = self.accelerator, self.model_info["class_names"]
+        finish_writes()  # the last checkpoint and best/ on the disk
         report = write_reports(accelerator, self.output_dir, evaluation=evaluation, class_names=class_names)
         if accelerator.is_main_process:
             accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "

@@ -273,6 +273,26 @@ def test_the_one_writer_names_the_file_the_reason_and_the_free_space_and_leaves_
         assert sorted(p.name for p in disk.iterdir()) == ["model.pt"]
 
 
+def test_a_write_published_on_its_thread_lands_in_order_and_its_error_is_raised_in_the_callers(tmp_path, capfd):
+    """best/ and checkpoints are flushed and renamed while the next epoch trains (`publish_later`)."""
+    from common.outputs import WriteFailed, finish_writes, write_atomically
+
+    for text in ("first", "second"):  # the second waits for the first: the last handed over is what stays
+        write_atomically(tmp_path / "best", lambda tmp, text=text: (tmp.mkdir(), (tmp / "meta.json").write_text(text)),
+                         publish_later=True)
+    finish_writes()
+    assert (tmp_path / "best" / "meta.json").read_text() == "second"
+    (tmp_path / "report.json").mkdir()  # a folder in the way: the rename fails on the thread
+    (tmp_path / "report.json" / "kept").write_text("")
+    write_atomically(tmp_path / "report.json", lambda tmp: tmp.write_text("{}"), publish_later=True)
+    with pytest.raises(WriteFailed, match=rf"cannot write {tmp_path / 'report.json'}: Is a directory .*Nothing "
+                                          "half-written was left"):
+        finish_writes()
+    finish_writes()  # said once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "report.json"]
+    assert "Traceback" not in capfd.readouterr().err
+
+
 @pytest.mark.slow
 def test_predict_evaluate_and_compute_mean_std_on_a_full_disk_say_so_and_write_nothing(tmp_path, digits_run,
                                                                                        seedlings):
