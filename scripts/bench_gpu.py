@@ -70,8 +70,11 @@ REFERENCE_RECIPE = ("--batch_size 512 --epochs 32 --lr 0.2 --label_smoothing 0 -
                     "--padding_mode reflect --cutout 12 --tta flip_translate --channels_last --mixed_precision bf16")
 PRESETS = {
     "reference_recipe": REFERENCE_RECIPE,
-    # the reference's start too: every block's last BatchNorm at 1, and its batch (90 steps an epoch, as it takes)
+    # the reference's start too: every block's last BatchNorm at 1, and its batch (90 steps an epoch, as it takes).
+    # On one H100 (2026-11-28, seed 42) 91.52% where reference_recipe ended at 91.08% and the reference at 91.54%:
+    # the default --preset since; the variant repeats it at another seed (one seed per recipe said nothing of spread)
     "reference_recipe_plain_start": REFERENCE_RECIPE.replace("512", "500") + " --no-identity_start",
+    "reference_recipe_plain_start_seed_1": REFERENCE_RECIPE.replace("512", "500") + " --no-identity_start --seed 1",
     # an evaluation of 2 passes an epoch instead of 6 (the reference's flip TTA equalled its flip + translate there)
     "reference_recipe_flip_tta": REFERENCE_RECIPE.replace("flip_translate", "flip"),
     "reference_recipe_compiled": REFERENCE_RECIPE + " --compile",  # the 2026-11-27 H100 run's
@@ -113,9 +116,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=path, default=None, help="run: where the logs, bench-gpu.md and .json go")
     parser.add_argument("--work_dir", type=path, default="outputs/bench-gpu-work",
                         help="run: the extracted data and the runs, emptied first (default: %(default)s)")
-    parser.add_argument("--preset", choices=list(PRESETS), default="reference_recipe",
+    parser.add_argument("--preset", choices=list(PRESETS), default="reference_recipe_plain_start",
                         help="run: train_cifar.py's recipe, cold and warm (default: %(default)s)")
-    parser.add_argument("--variant", choices=list(PRESETS), default="reference_recipe_plain_start",
+    parser.add_argument("--variant", choices=list(PRESETS), default="reference_recipe_plain_start_seed_1",
                         help="run: the last stage's recipe, warm (default: %(default)s)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="run: default: %(default)s")
     parser.add_argument("--budget_s", type=number(float, min=0, min_open=True), default=470,

@@ -151,14 +151,17 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
         assert ours["first_step_s"] <= ours["last_epoch_at_s"] < stages[name]["wall_s"]  # the same clock
         assert re.fullmatch(r"start and imports [\d.]+ s, data and model [\d.]+ s, the first batch [\d.]+ s",
                             ours["startup"]), ours["startup"]
-    variant = json.loads((tmp_path / "work" / "ours-variant" / "best" / "meta.json").read_text())["args"]
-    assert variant["identity_start"] is False and stages["ours_variant"]["preset"] == "reference_recipe_plain_start"
+    warm, variant = (json.loads((tmp_path / "work" / name / "best" / "meta.json").read_text())["args"]
+                     for name in ("ours-warm", "ours-variant"))
+    assert warm["identity_start"] is False and (warm["seed"], variant["seed"]) == (42, 1)
+    assert variant["identity_start"] is False
+    assert stages["ours_variant"]["preset"] == "reference_recipe_plain_start_seed_1"
     assert "checked 135 images" in (out / "ours-cold.log").read_text()  # cold: decoded in the run
     assert "image check of 135 images read from" in (out / "ours-warm.log").read_text()  # warm: the cold one's
     peers = stages["seedlings"]["results"]
     assert list(peers["runs"]) == ["ours", "timm", "cv_example"] and peers["ours_first_step_s"] > 0
     markdown = (out / "bench-gpu.md").read_text()
-    for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start`",
+    for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start_seed_1`",
                 "| reference", "| ours |", "| timm |", "| cv_example |", "- ours cold, ", "- ours variant, ",
                 *(f"| {name} | ok |" for name in STAGES)):
         assert row in markdown, row
