@@ -20,10 +20,10 @@ from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, finish_la
 from .reporting import truncate_metrics
 
 
-def save_checkpoint(accelerator, output_dir, name, *, state, keep, publish_later=False):
+def save_checkpoint(accelerator, output_dir, name, *, state, keep, later=False):
     """Save the run as checkpoints/NAME (`state` as trainer_state.json), point `latest` at it and keep the newest
     `keep`; every process calls it. Written in .tmp-NAME, then published: after any kill `latest` names a whole one.
-    `publish_later`: process 0 checksums, flushes and publishes it on common.outputs.finish_later's thread while
+    `later`: process 0 checksums, flushes and publishes it on common.outputs.finish_later's thread while
     training goes on (every file is complete when save_state returns; the next save or the run's end waits)."""
     checkpoints = Path(output_dir) / "checkpoints"
     tmp, final = checkpoints / f".tmp-{name}", checkpoints / name
@@ -56,7 +56,7 @@ def save_checkpoint(accelerator, output_dir, name, *, state, keep, publish_later
             remove(checkpoints / old)
 
     if accelerator.is_main_process:
-        if publish_later:
+        if later:
             finish_later(finish)
         else:
             finish_writes()  # in order: what was handed over before

@@ -95,25 +95,26 @@ def resize_size(image_size):
     return round(image_size / 0.875)
 
 
-def save_best_model(accelerator, model, output_dir, *, meta, evaluation, publish_later=False):
+def save_best_model(accelerator, model, output_dir, *, meta, evaluation, later=False):
     """Replace best/ as a whole: model.safetensors, meta.json, val_predictions.csv (this evaluation) and, for a timm
-    model, timm's config.json (`timm_config`). `publish_later`: see common.outputs.write_atomically."""
+    model, timm's config.json (`timm_config`). `later`: written while training goes on, from a copy of the weights
+    (common.outputs.write_atomically)."""
     # get_state_dict keeps a torch.compile wrapper, whose names start with "_orig_mod."
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if not accelerator.is_main_process:
         return
     config = timm_config(accelerator.unwrap_model(model, keep_torch_compile=False), meta)
+    weights = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state_dict.items()}
 
     def write(folder):
         folder.mkdir()
-        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
-                  folder / "model.safetensors")
+        save_file(weights, folder / "model.safetensors")
         (folder / "meta.json").write_text(json.dumps(meta, indent=2))
         if config:
             (folder / "config.json").write_text(json.dumps(config, indent=2))
         write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
 
-    write_atomically(Path(output_dir) / "best", write, publish_later=publish_later)
+    write_atomically(Path(output_dir) / "best", write, later=later)
 
 
 def timm_config(model, meta):

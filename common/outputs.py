@@ -212,32 +212,25 @@ class WriteFailed(UserError):
                 + self.fix)
 
 
-def write_atomically(path, write, *, publish_later=False):
+def write_atomically(path, write, *, later=False):
     """Write the file or folder `path` whole or not at all: `write(tmp)` writes a temporary beside it, which
-    `publish` renames over `path`. Every file a run or tool writes goes through here. `publish_later`: the flush and
-    the rename are done by `finish_later`'s thread, after `write` has returned."""
+    `publish` renames over `path`. Every file a run or tool writes goes through here. `later`: both on
+    `finish_later`'s thread while the caller goes on (`write` must read nothing that changes meanwhile)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")  # the suffix: savefig, np.save read it
 
-    def finish():
+    def write_and_publish():
         try:
             with failed_write_is_said(path):
+                write(tmp)
                 publish(tmp, path)
         finally:
             remove(tmp)
 
-    if publish_later:
-        finish_writes()  # one at a time: the one handed over before may be this path's, under the same temporary
-    try:
-        with failed_write_is_said(path):
-            write(tmp)
-    except BaseException:
-        remove(tmp)
-        raise
-    if publish_later:
-        finish_later(finish)
+    if later:
+        finish_later(write_and_publish)
     else:
-        finish()
+        write_and_publish()
 
 
 _finishing = {"thread": None, "error": None}  # the write finish_later took over, and what it raised

@@ -279,7 +279,7 @@ class TrainingRun:
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
                                   "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"]},
-                            publish_later=True)
+                            later=True)
 
     @names_the_last_checkpoint
     def save_checkpoint(self):
@@ -296,7 +296,7 @@ class TrainingRun:
                      lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
                      threads_per_process=torch.get_num_threads(), order=ORDER, **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints,
-                               publish_later=not stop)  # published while the next epoch trains
+                               later=not stop)  # published while the next epoch trains
         if stop:
             self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
                                    "Run the same command with --resume latest to continue.")

@@ -274,23 +274,68 @@ def test_the_one_writer_names_the_file_the_reason_and_the_free_space_and_leaves_
 
 
 def test_a_write_published_on_its_thread_lands_in_order_and_its_error_is_raised_in_the_callers(tmp_path, capfd):
-    """best/ and checkpoints are flushed and renamed while the next epoch trains (`publish_later`)."""
+    """best/ and checkpoints are written or flushed and renamed while the next epoch trains (`later`)."""
     from common.outputs import WriteFailed, finish_writes, write_atomically
 
     for text in ("first", "second"):  # the second waits for the first: the last handed over is what stays
         write_atomically(tmp_path / "best", lambda tmp, text=text: (tmp.mkdir(), (tmp / "meta.json").write_text(text)),
-                         publish_later=True)
+                         later=True)
     finish_writes()
     assert (tmp_path / "best" / "meta.json").read_text() == "second"
     (tmp_path / "report.json").mkdir()  # a folder in the way: the rename fails on the thread
     (tmp_path / "report.json" / "kept").write_text("")
-    write_atomically(tmp_path / "report.json", lambda tmp: tmp.write_text("{}"), publish_later=True)
+    write_atomically(tmp_path / "report.json", lambda tmp: tmp.write_text("{}"), later=True)
     with pytest.raises(WriteFailed, match=rf"cannot write {tmp_path / 'report.json'}: Is a directory .*Nothing "
                                           "half-written was left"):
         finish_writes()
     finish_writes()  # said once
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "report.json"]
+    with small_disk(tmp_path / "disk", megabytes=1) as disk:  # a full disk, met on the thread
+        fill(disk)
+        write_atomically(disk / "best", lambda tmp: (tmp.mkdir(), (tmp / "model.safetensors").write_bytes(
+            bytes(1 << 20))), later=True)
+        with pytest.raises(WriteFailed, match=rf"cannot write {disk / 'best'}: No space left on device"):
+            finish_writes()
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_best_written_while_training_goes_on_holds_the_weights_and_predictions_of_its_epoch(tmp_path, monkeypatch):
+    import threading
+
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file, save_file
+
+    import common.models
+    from common.models import save_best_model
+    from common.outputs import finish_writes
+
+    steps_done = threading.Event()  # the thread writes the weights only once the training below has changed them
+    monkeypatch.setattr(common.models, "save_file", lambda *args: (steps_done.wait(30), save_file(*args)))
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = accelerator.prepare(torch.nn.Linear(64, 2))
+        saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        evaluation = {"indices": np.arange(3), "labels": np.array([0, 1, 1]),
+                      "probabilities": np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]], dtype=np.float32)}
+        save_best_model(accelerator, model, tmp_path, meta={"class_names": ["cat", "dog"]}, evaluation=evaluation,
+                        later=True)
+        with torch.no_grad():  # the next steps change the weights in place at once
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+        steps_done.set()
+        finish_writes()
+    finally:
+        AcceleratorState._reset_state(True)  # the next in-process run builds its own
+        GradientState._reset_state()
+    written = load_file(tmp_path / "best" / "model.safetensors")
+    assert written.keys() == saved.keys() and all(torch.equal(written[name], saved[name]) for name in saved)
+    assert (tmp_path / "best" / "val_predictions.csv").read_text().splitlines() == [
+        "index,label,prediction,probability", "0,cat,cat,0.900000", "1,dog,dog,0.800000", "2,dog,cat,0.600000"]
 
 
 @pytest.mark.slow
