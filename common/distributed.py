@@ -28,8 +28,8 @@ warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
 accelerate.data_loader.is_datasets_available = lambda: "datasets" in sys.modules
 
 
-STARTED = {}  # time.time() when each part of the start-up ended: "imports" (build_accelerator), "ready" (the run's
-#               start: data, model, optimizer prepared)
+STARTED = {}  # time.time() when each part of the start-up ended: "imports" (build_accelerator), "data" (the model's
+#               build began: common.models.build_model), "ready" (the run's start: model and optimizer on the device)
 
 
 def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, report_to=None, dist_timeout=None,

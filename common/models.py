@@ -5,6 +5,7 @@ import json
 import math
 import pickle
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .distributed import STARTED
 from .errors import UserError
 from .outputs import write_atomically
 from .reporting import write_predictions
@@ -22,6 +24,7 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
     so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`.
     `identity_start=False`: a residual network's blocks start with their last BatchNorm at 1, not 0 (the weights'
     start only: nothing of it is needed to load them)."""
+    STARTED.update(data=time.time())  # a training script builds its model once its data is ready (common.run)
     if name == "resnet18_cifar":
         model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans, identity_start=identity_start)
     elif name == "mnist_convnet":

@@ -113,13 +113,16 @@ def since_launch():
 
 
 def startup_parts():
-    """'(start and imports A s, data and model B s, the first batch C s)': the start-up until now, split where
-    build_accelerator was called and where the run started (common.distributed.STARTED)."""
+    """'(start and imports A s, data B s, model and device C s, the first batch D s)': the start-up until now, split
+    where build_accelerator was called, where the model's build began and where the run started
+    (common.distributed.STARTED)."""
     if not {"imports", "ready"} <= STARTED.keys():  # a script of the user's own that skips one of them
         return "(imports, data, model, the first batch)"
     start, imports, ready = launch_clock()[0], STARTED["imports"], STARTED["ready"]
-    return (f"(start and imports {imports - start:.1f} s, data and model {ready - imports:.1f} s, the first batch "
-            f"{time.time() - ready:.1f} s)")
+    data = STARTED.get("data", 0)
+    middle = (f"data {data - imports:.1f} s, model and device {ready - data:.1f} s" if imports <= data <= ready
+              else f"data and model {ready - imports:.1f} s")  # a model of the user's own
+    return f"(start and imports {imports - start:.1f} s, {middle}, the first batch {time.time() - ready:.1f} s)"
 
 
 def checkpoint_name(epoch, batch=None):

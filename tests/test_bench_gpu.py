@@ -149,7 +149,8 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
         assert 0 < ours["first_step_s"] < stages[name]["wall_s"] and ours["images_per_s"] > 0
         assert ours["train_s"] > 0 and ours["eval_s"] >= 0 and ours["between_epochs_s"] == 0  # one epoch: no gap
         assert ours["first_step_s"] <= ours["last_epoch_at_s"] < stages[name]["wall_s"]  # the same clock
-        assert re.fullmatch(r"start and imports [\d.]+ s, data and model [\d.]+ s, the first batch [\d.]+ s",
+        assert re.fullmatch(r"start and imports [\d.]+ s, data [\d.]+ s, model and device [\d.]+ s, the first "
+                            r"batch [\d.]+ s",
                             ours["startup"]), ours["startup"]
     warm, variant = (json.loads((tmp_path / "work" / name / "best" / "meta.json").read_text())["args"]
                      for name in ("ours-warm", "ours-variant"))

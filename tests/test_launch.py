@@ -28,10 +28,10 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
     assert "2 process(es), MULTI_CPU" in result.output and "global batch 128" in result.output
     # the start-up's cost, once, counted from the launcher's start (not the worker's, not an earlier process's)
     start_up = re.findall(r"first optimizer step done ([\d.]+) s after the launch \(start and imports ([\d.]+) s, data "
-                          r"and model ([\d.]+) s, the first batch ([\d.]+) s\)", result.output)
+                          r"([\d.]+) s, model and device ([\d.]+) s, the first batch ([\d.]+) s\)", result.output)
     assert len(start_up) == 1 and 0 < float(start_up[0][0]) < time.time() - launched, result.output
     total, *parts = map(float, start_up[0])
-    assert abs(sum(parts) - total) <= 0.2 and all(part >= 0 for part in parts) and parts[0] > 0.5  # torch's import
+    assert abs(sum(parts) - total) <= 0.3 and all(part >= 0 for part in parts) and parts[0] > 0.5  # torch's import
     # the recipe's AdamW LR (1e-2 at a global batch of 64) follows the global batch of 128 by its square root
     assert "lr 0.01414 = 0.01 x sqrt(128 / 64)" in result.output
     optimizer = torch.load(output_dir / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)
