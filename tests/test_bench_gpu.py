@@ -113,6 +113,18 @@ def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path
     assert not (tmp_path / "out2").exists()
 
 
+def test_every_recipe_is_a_command_train_cifar_accepts_with_its_settings_in_the_environment():
+    module, train_cifar = load_script("bench_gpu.py"), load_script("train_cifar.py")
+    ctx = {"smoke": False, "device": "cuda", "split": REPO / "data" / "cifar10-split"}
+    for name, recipe in module.PRESETS.items():
+        command = [str(word) for word in module.ours_command(ctx, REPO / "outputs" / name, preset=name)]
+        args = train_cifar.parse_args(command[command.index("scripts/train_cifar.py") + 1:])  # exits on a wrong flag
+        assert str(args.output_dir) == str(REPO / "outputs" / name), name
+        settings = [word for word in recipe.split() if "=" in word]
+        assert command[:command.index(sys.executable)] == (["env", *settings] if settings else []), name
+    assert module.PRESETS["reference_recipe_plain_start_cuda_graphs"].startswith("ACCELERATE_DYNAMO_MODE=reduce-overhead")
+
+
 def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
     """The launcher and the training process it started: the whole process group goes."""
     module = load_script("bench_gpu.py")
