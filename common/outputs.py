@@ -239,9 +239,9 @@ _finishing = {"thread": None, "error": None}  # the write finish_later took over
 def finish_later(finish):
     """Call `finish` (a write, or its last part: checksums, flushing to the disk, renames; it must not read what
     training changes) on a thread of its own, so that training goes on meanwhile (on one H100 a checkpoint and
-    `best/` cost a third of a second an epoch, in epochs of 1.3 s). One at a time: the write handed over before it is finished first, so they land
-    in order. Its error is raised by the next `finish_later` or `finish_writes`. Not a daemon: the process's exit
-    (common.errors.end_process) waits for it."""
+    `best/` cost a third of a second an epoch, in epochs of 1.3 s). One at a time: the write handed over before
+    it is finished first, so they land in order. Its error is raised by the next `finish_later` or `finish_writes`.
+    Not a daemon: the process's exit (common.errors.end_process) waits for it."""
     finish_writes()
 
     def run():
