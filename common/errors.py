@@ -92,9 +92,11 @@ def call_main(main, args):
                           "Continue from the last checkpoint with --resume latest.", 1, consequence=True)
 
 
-# under torchrun, how long a process that may not be the first to fail waits before it reports: the launcher
-# needs the first one's exit (1-3 s of interpreter teardown) to stop the others
-REPORT_GRACE_S = 10
+# under torchrun, how long a process that may not be the first to fail waits before it reports: long enough for
+# the launcher to see the first one's exit (it looks every 0.1 s; a process ends without the interpreter's
+# teardown) and stop the others; a machine whose process failed as a consequence waits it out before its
+# launcher can report or restart
+REPORT_GRACE_S = 5
 
 
 def exit_with_message(message, code, *, consequence=False):
