@@ -103,7 +103,18 @@ def launch_clock():
 
     process = psutil.Process()
     launcher = process.parent() if "LOCAL_RANK" in os.environ else None
-    return (launcher or process).create_time(), "launch" if launcher else "process started"
+    return started_at(launcher or process), "launch" if launcher else "process started"
+
+
+def started_at(process):
+    """When the psutil `process` started, in time.time(). On Linux from its start in clock ticks since boot and the
+    boot clock: psutil's create_time adds those ticks to the boot time in whole seconds (/proc/stat's btime), which
+    put every start up to a second early (the start-up line said up to 1 s too much)."""
+    try:
+        ticks = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+        return process.create_time()
 
 
 def since_launch():
@@ -147,6 +158,7 @@ class TrainingRun:
         self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
         self._said_first_step = False  # the start-up's cost, said once the first optimizer step is done
+        self._trained_at = None  # time.perf_counter() when the last epoch ended: the wind-down's start
 
     @property
     def finished(self):
@@ -192,7 +204,8 @@ class TrainingRun:
                 self.accelerator.print(f"early stop after epoch {self.epoch - 1}: val accuracy has not improved for "
                                        f"{patience} epoch(s) (--patience); best/ holds epoch {self.best_epoch} "
                                        f"({self.best_accuracy:.2%}), the reports below are of the last epoch")
-                return
+                break
+        self._trained_at = time.perf_counter()
 
     def batches(self, train_dataloader):
         """This process's micro-batches of the epoch on the device, from where a resumed epoch stopped; stops at
@@ -317,9 +330,14 @@ class TrainingRun:
     def finish(self, evaluation, *, eval_set, train_scores=None, train_set=None):
         """The final reports from the last evaluation (of `eval_set`), with the mistakes report: report.html, and
         the suspected wrong labels of `train_set` from `train_scores` (`evaluate` on it unaugmented); then close
-        the trackers."""
+        the trackers. Its last line says where the time since the last epoch went: the scoring after training (the
+        suspected-label pass, a --val_fraction run's test set), the last checkpoint's writes still under way (they
+        run on a thread: common.outputs.finish_later), the reports."""
         accelerator, class_names = self.accelerator, self.model_info["class_names"]
+        writes_at = time.perf_counter()
+        trained_at = self._trained_at or writes_at  # a script of the user's own may not train through epochs()
         finish_writes()  # the last checkpoint and best/ on the disk
+        reports_at = time.perf_counter()
         report = write_reports(accelerator, self.output_dir, evaluation=evaluation, class_names=class_names)
         if accelerator.is_main_process:
             accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "
@@ -336,6 +354,10 @@ class TrainingRun:
             accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
                               + (f" ({label_issues['flagged']} suspected wrong labels among the "
                                  f"{label_issues['scored']} training images)" if label_issues else ""))
+            done = time.perf_counter()  # what the wind-down cost, as the first step's line says the start-up's
+            accelerator.print(f"run done {since_launch()}, {done - trained_at:.1f} s after the last epoch (scoring "
+                              f"after training {writes_at - trained_at:.1f} s, the last checkpoint's writes "
+                              f"{reports_at - writes_at:.1f} s, the reports {done - reports_at:.1f} s)")
         accelerator.wait_for_everyone()
         accelerator.end_training()
         unlock_output_dirs()  # the run is written: another may take the folder

@@ -340,10 +340,19 @@ def first_step(log):
     return (float(found.group(1)), found.group(2)) if found else (None, None)
 
 
+def wind_down(log):
+    """(the seconds from our script's last epoch to its last line, and their split as its log says it: "scoring
+    after training 1.1 s, ..."), None for what it does not say."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    found = re.search(r"run done [\d.]+ s after the (?:launch|process started), ([\d.]+) s after the last epoch "
+                      r"\((scoring.*?)\)", text)
+    return (float(found.group(1)), found.group(2)) if found else (None, None)
+
+
 def ours_results(output_dir, log):
     """The last epoch's accuracy, the median epoch's images/s (epoch 1 pays the compile), the first step's time, and
     where the time between the first step and the last epoch's line went (metrics.jsonl's clocks): training,
-    evaluation, and the gaps between epochs (their checkpoints and best/)."""
+    evaluation, and the gaps between epochs (their checkpoints and best/); and the wind-down as the log splits it."""
     metrics_file = output_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
     rates = [record["images_per_s"] for record in metrics[1:] or metrics]
@@ -355,11 +364,13 @@ def ours_results(output_dir, log):
         times = {"train_s": round(train, 1), "eval_s": round(epochs - train, 1), "between_epochs_s": round(gaps, 1),
                  "last_epoch_at_s": round(metrics[-1]["since_launch_s"], 1)}
     first_step_s, startup = first_step(log)
+    wind_down_s, wind_down_split = wind_down(log)
     return {"epochs": len(metrics), "accuracy": metrics[-1]["val_accuracy"] if metrics else None,
             "tta": metrics[-1]["val_tta"] if metrics else None,
             "best_accuracy": max((r["val_accuracy"] for r in metrics), default=None),
             "images_per_s": round(statistics.median(rates)) if rates else None,
             "first_step_s": first_step_s, "startup": startup, **times,
+            "wind_down_s": wind_down_s, "wind_down": wind_down_split,
             "epoch_time_s": [round(r["epoch_time_s"], 2) for r in metrics]}
 
 
@@ -526,11 +537,13 @@ def time_spent(stages):
         if "train_s" in got and stage.get("wall_s"):
             rest = stage["wall_s"] - got["last_epoch_at_s"]
             split = f" ({got['startup']})" if got.get("startup") else ""
+            after = (f"; of it {got['wind_down_s']:.1f} s to our last line ({got['wind_down']})"
+                     if got.get("wind_down") else "")
             lines.append(f"- {name.replace('_', ' ')}, {stage['wall_s']:.1f} s: the first optimizer step at "
                          f"{number_or_dash(got['first_step_s'])} s{split}, training {got['train_s']:.1f} s, evaluation "
                          f"{got['eval_s']:.1f} s, between the epochs (checkpoint, best/) {got['between_epochs_s']:.1f} "
                          f"s; after the last epoch's line {rest:.1f} s (the label pass, the reports, the exit; the "
-                         "launcher's start too where the log counts from the process's)")
+                         f"launcher's start too where the log counts from the process's){after}")
     return [*lines, ""] if lines else []
 
 

@@ -165,6 +165,9 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
         assert re.fullmatch(r"start and imports [\d.]+ s, data [\d.]+ s, model and device [\d.]+ s, the first "
                             r"batch [\d.]+ s",
                             ours["startup"]), ours["startup"]
+        assert re.fullmatch(r"scoring after training [\d.]+ s, the last checkpoint's writes [\d.]+ s, the reports "
+                            r"[\d.]+ s", ours["wind_down"]), ours["wind_down"]
+        assert 0 < ours["wind_down_s"] < stages[name]["wall_s"] - ours["last_epoch_at_s"]
     warm, variant = (json.loads((tmp_path / "work" / name / "best" / "meta.json").read_text())["args"]
                      for name in ("ours-warm", "ours-variant"))
     assert warm["identity_start"] is False and (warm["seed"], variant["seed"]) == (42, 1)
@@ -177,6 +180,7 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
     markdown = (out / "bench-gpu.md").read_text()
     for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start_seed_1`",
                 "| reference", "| ours |", "| timm |", "| cv_example |", "- ours cold, ", "- ours variant, ",
+                "s to our last line (scoring after training",
                 *(f"| {name} | ok |" for name in STAGES)):
         assert row in markdown, row
     assert "resnet18_reference.py SPLIT --device cpu" in markdown and str(tmp_path) not in markdown

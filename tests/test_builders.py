@@ -3,9 +3,11 @@
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import tarfile
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -674,3 +676,20 @@ def test_no_function_in_common_takes_more_than_six_parameters():
                 if count > 6:
                     crowded.append(f"{source.name}:{node.lineno} {node.name} ({count})")
     assert not crowded, crowded
+
+
+def test_a_process_start_is_read_to_the_clock_tick_not_to_the_boot_times_whole_second():
+    """The start-up and wind-down lines count from the launcher's start; psutil's create_time put it up to a second
+    early (the boot time in whole seconds), so a run said it took up to 1 s more than it did."""
+    import psutil
+
+    from common.run import started_at
+
+    before = time.time()
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        started = started_at(psutil.Process(process.pid))
+        assert before - 0.02 <= started <= time.time(), (before, started, psutil.Process(process.pid).create_time())
+    finally:
+        process.kill()
+        process.wait()

@@ -109,7 +109,7 @@ def test_an_error_or_a_live_worker_at_exit_never_hangs_the_process(tmp_path, see
     command = launch_command(copy, *args, processes=processes) if processes > 1 else [sys.executable, copy, *args]
     log = tmp_path / "log"
     process = spawn(command, log=log)
-    ended = "a bug in the copied script" if mode == "raise" else "outputs written to"
+    ended = "a bug in the copied script" if mode == "raise" else "run done"
     family = set()  # the training processes and their DataLoader workers, as seen while the run went on: read
     #                 only once its last line is out, a fast exit could already have ended them (an empty family)
     try:

@@ -32,6 +32,14 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
     assert len(start_up) == 1 and 0 < float(start_up[0][0]) < time.time() - launched, result.output
     total, *parts = map(float, start_up[0])
     assert abs(sum(parts) - total) <= 0.3 and all(part >= 0 for part in parts) and parts[0] > 0.5  # torch's import
+    # and the wind-down's, once, after the last report: the label pass over the 2,001 training images, the reports
+    wind_down = re.findall(r"run done ([\d.]+) s after the launch, ([\d.]+) s after the last epoch \(scoring after "
+                           r"training ([\d.]+) s, the last checkpoint's writes ([\d.]+) s, the reports ([\d.]+) s\)\n",
+                           result.output)
+    assert len(wind_down) == 1 and result.output.index("outputs written to") < result.output.index("run done")
+    (done, after, *parts) = map(float, wind_down[0])
+    assert float(start_up[0][0]) < done < time.time() - launched and after < done - float(start_up[0][0])
+    assert abs(sum(parts) - after) <= 0.3 and all(part >= 0 for part in parts) and parts[0] > 0, result.output
     # the recipe's AdamW LR (1e-2 at a global batch of 64) follows the global batch of 128 by its square root
     assert "lr 0.01414 = 0.01 x sqrt(128 / 64)" in result.output
     optimizer = torch.load(output_dir / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)
