@@ -331,21 +331,16 @@ def ours_command(ctx, output_dir, *, preset):
             output_dir, "--overwrite"]
 
 
-def first_step(log):
-    """(when our script's first optimizer step was done, in seconds from its launch, and the start-up's split, as
-    its log says them: "start and imports 4.1 s, ..."), None for what it does not say."""
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    found = re.search(r"first optimizer step done ([\d.]+) s after the (?:launch|process started)(?: \((start.*?)\))?",
-                      text)
-    return (float(found.group(1)), found.group(2)) if found else (None, None)
+# what our script's log says of its start-up and its wind-down: the seconds, and their split in parentheses
+FIRST_STEP = r"first optimizer step done ([\d.]+) s after the (?:launch|process started)(?: \((start.*?)\))?"
+WIND_DOWN = r"run done [\d.]+ s after the (?:launch|process started), ([\d.]+) s after the last epoch \((scoring.*?)\)"
 
 
-def wind_down(log):
-    """(the seconds from our script's last epoch to its last line, and their split as its log says it: "scoring
-    after training 1.1 s, ..."), None for what it does not say."""
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    found = re.search(r"run done [\d.]+ s after the (?:launch|process started), ([\d.]+) s after the last epoch "
-                      r"\((scoring.*?)\)", text)
+def said(log, line):
+    """(the seconds and their split, "start and imports 4.1 s, ..."), as our script's log says them in the `line`
+    FIRST_STEP (when its first optimizer step was done, from its launch) or WIND_DOWN (from its last epoch to its
+    last line); None for what it does not say."""
+    found = re.search(line, log.read_text(errors="replace") if log.is_file() else "")
     return (float(found.group(1)), found.group(2)) if found else (None, None)
 
 
@@ -363,8 +358,8 @@ def ours_results(output_dir, log):
                    for earlier, later in zip(metrics, metrics[1:]))
         times = {"train_s": round(train, 1), "eval_s": round(epochs - train, 1), "between_epochs_s": round(gaps, 1),
                  "last_epoch_at_s": round(metrics[-1]["since_launch_s"], 1)}
-    first_step_s, startup = first_step(log)
-    wind_down_s, wind_down_split = wind_down(log)
+    first_step_s, startup = said(log, FIRST_STEP)
+    wind_down_s, wind_down_split = said(log, WIND_DOWN)
     return {"epochs": len(metrics), "accuracy": metrics[-1]["val_accuracy"] if metrics else None,
             "tta": metrics[-1]["val_tta"] if metrics else None,
             "best_accuracy": max((r["val_accuracy"] for r in metrics), default=None),
@@ -400,7 +395,7 @@ def stage_seedlings(ctx, timeout):
             out.write(f"\n---- {each.relative_to(work).as_posix()} ----\n{each.read_text(errors='replace')}")
     peers, ours = ctx["work"] / "peers.json", work / "runs" / "seed42" / "ours.log"
     results = json.loads(peers.read_text()) if peers.is_file() else {}
-    return {**done, "log": log.name, "results": {**results, "ours_first_step_s": first_step(ours)[0]}}
+    return {**done, "log": log.name, "results": {**results, "ours_first_step_s": said(ours, FIRST_STEP)[0]}}
 
 
 STAGES = {"setup": stage_setup, "reference": stage_reference,
