@@ -17,7 +17,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def list_image_folder(root):
-    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the non-image files."""
+    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the files that are not images
+    and the folders inside a class folder (a class's images are those in its folder itself, as the layout says)."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
@@ -33,19 +34,27 @@ def list_image_folder(root):
         if not images:
             nested = any(kind == "dir" for _, kind in listed)  # most often: --data_dir one level too high
             raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})"
-                            + (f" but folders: did you mean --data_dir {root / name}?" if nested else ""))
+                            + (f" but folders: did you mean --data_dir {root / name}? (a class's images are read "
+                               "from its folder itself, not from folders inside it)" if nested else ""))
         files += images
         labels += [label] * len(images)
         skipped += [p for p in entries if p.suffix.lower() not in IMAGE_EXTENSIONS]
+        skipped += [root / name / entry for entry, kind in listed if kind == "dir"]
     return files, labels, classes, skipped
 
 
+def is_hidden(name):
+    """A dot name, or the __MACOSX folder of resource forks that macOS's zip puts beside the data: never a class or
+    an image."""
+    return name.startswith(".") or name == "__MACOSX"
+
+
 def folder_entries(folder):
-    """(name, "file" or "dir") of a folder's entries that are not hidden. os.scandir gives the type without a stat
-    per file (a million files: seconds, not minutes)."""
+    """(name, "file" or "dir") of a folder's entries that are not hidden (`is_hidden`). os.scandir gives the type
+    without a stat per file (a million files: seconds, not minutes)."""
     found = []
     for entry in os.scandir(folder):
-        if entry.name.startswith("."):
+        if is_hidden(entry.name):
             continue
         try:
             kind = "file" if entry.is_file() else "dir" if entry.is_dir() else entry_kind(entry.path)

@@ -12,17 +12,19 @@ import torch
 
 from .distributed import cpu_computes_bf16
 from .errors import UserError
-from .images import IMAGE_EXTENSIONS, entry_kind, read_image
+from .images import IMAGE_EXTENSIONS, entry_kind, is_hidden, read_image
 
 
 def find_images(inputs):
-    """Image files named in `inputs`, and those under the folders named there (recursive, sorted)."""
+    """Image files named in `inputs`, and those under the folders named there (recursive, sorted; hidden ones left
+    out: `is_hidden`)."""
     paths = []
     for item in map(Path, inputs):
         if not item.exists() and not item.is_symlink():
             raise UserError(f"{item} does not exist")
         if entry_kind(item) == "dir":
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and entry_kind(p) == "file")
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
+                            and not any(map(is_hidden, p.relative_to(item).parts)) and entry_kind(p) == "file")
         else:
             paths.append(item)
     if not paths:

@@ -6,7 +6,7 @@
 SOURCE/<class>/<image> -> TARGET/train/<class>/<image> + TARGET/val/<class>/<image>. The split is the one
 train_seedlings.py makes in memory with the same --val_fraction and --seed (scikit-learn's
 train_test_split, stratified), so a run on TARGET sees the same images as a run on SOURCE. Every image
-lands in exactly one split; files that are not images are left out and counted. A non-empty TARGET
+lands in exactly one split; files or folders that are not images are left out and counted. A non-empty TARGET
 is refused.
 """
 
@@ -66,7 +66,7 @@ def main(args):
     for label, name in enumerate(classes):
         print(f"{name:<{width}}  {counts['train'][label]:5d}  {counts['val'][label]:5d}")
     print(f"{'total':<{width}}  {len(train):5d}  {len(val):5d}   -> {target}/train, {target}/val"
-          + (f"; left out {len(skipped)} files that are not images" if skipped else ""))
+          + (f"; left out {len(skipped)} files or folders that are not images" if skipped else ""))
 
 
 if __name__ == "__main__":

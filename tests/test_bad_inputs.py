@@ -25,6 +25,7 @@ from common.errors import UserError
 from common.flags import ArgumentParser
 from common.folders import find_splits
 from common.images import read_image
+from common.tools import find_images
 from conftest import REPO, load_script, script, write_idx
 
 SCRIPTS = REPO / "scripts"
@@ -267,6 +268,30 @@ def test_a_class_with_one_image_is_named(tmp_path):
             shutil.copy(image, tmp_path / name)
     with pytest.raises(UserError, match=r"every class needs at least 2 images, and Cleavers \(1\) has fewer"):
         find_splits(tmp_path, val_fraction=0.3, seed=42)
+
+
+def test_a_zip_from_macos_trains_on_its_classes_and_a_folder_inside_a_class_is_left_out_with_a_count(tmp_path):
+    """macOS's zip puts __MACOSX/<class>/._<image> beside the data: not a class (it was taken for one, and the
+    message told the user to train on it), nor images for predict.py. A folder inside a class folder is not read
+    for training: said, not dropped silently."""
+    data = tmp_path / "seedlings"
+    shutil.copytree(ODD_IMAGES.parent / "seedlings", data)
+    first = sorted((data / "Maize").iterdir())[0]
+    (data / "__MACOSX" / "Maize").mkdir(parents=True)
+    (data / "__MACOSX" / "Maize" / f"._{first.name}").write_bytes(b"\x00\x05\x16\x07 resource fork")
+    (data / "Maize" / "more").mkdir()
+    shutil.copy(first, data / "Maize" / "more" / "another.png")
+    train, val, classes, skipped = find_splits(data, val_fraction=0.3, seed=42)
+    assert classes == sorted(p.name for p in (ODD_IMAGES.parent / "seedlings").iterdir())
+    assert skipped == [data / "Maize" / "more"] and len(train["files"]) + len(val["files"]) == 85
+    result = script("split_dataset.py", data, tmp_path / "split")
+    assert result.returncode == 0, result.output
+    assert "left out 1 files or folders that are not images" in result.output
+    assert sorted(p.name for p in (tmp_path / "split" / "train").iterdir()) == classes
+    # predict.py and export.py on the folder: its images, the one in the class's folder among them, not the forks
+    found = find_images([data])
+    assert len(found) == 86 and data / "Maize" / "more" / "another.png" in found
+    assert not [p for p in found if "__MACOSX" in p.parts]
 
 
 def test_a_mean_std_file_with_a_zero_std_is_refused_as_such(tmp_path):
