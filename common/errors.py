@@ -79,7 +79,14 @@ def call_main(main, args):
     except Interrupted:
         sys.exit(143)
     except KeyboardInterrupt:
-        exit_with_message("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one", 130)
+        # Under a launcher Ctrl-C stops the launcher itself, which passes it on to every process and ends with its
+        # own traceback, never showing their error files: said here, by one process a machine, at once; a second
+        # Ctrl-C does not interrupt the exit
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one",
+                  file=sys.stderr, flush=True)
+        sys.exit(130)
     except RuntimeError as error:
         # gloo's own words without its name too: "Application timeout caused pair closure" (DDP's buffer broadcast)
         from_collective = (isinstance(error, torch.distributed.DistError)

@@ -163,6 +163,35 @@ def test_a_script_ends_without_the_interpreters_teardown_having_done_what_its_ex
     assert result.stderr.strip() == says
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_ctrl_c_is_said_once_and_ends_every_process_of_the_run(tmp_path, seedlings, processes):
+    """Ctrl-C reaches the terminal's foreground process group: the script and its DataLoader workers, or the
+    launcher, which passes it on to each process and then dies of it with its own traceback. Each process used to
+    put the message into the error file that the dying launcher never shows (and the second one first waited 5 s
+    for the launcher's failure table); now the first process of the machine says it, once."""
+    output_dir = tmp_path / "run"
+    args = ["--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS, "--epochs", 500]
+    command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
+                                                                                          *args]
+    log = tmp_path / "log"
+    process = spawn(command, log=log)
+    family = set()
+    try:
+        wait_for(lambda: family.update(descendants(process.pid)[1:]) or "epoch 2/500" in log.read_text(), process)
+        os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        code = process.wait(timeout=60)
+    finally:
+        kill_everything(process)
+    output = log.read_text()
+    assert code == 130 if processes == 1 else code != 0, output
+    assert output.count("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one") == 1
+    assert "KeyboardInterrupt" not in output, output  # no traceback of the run's processes
+    assert family and all_gone(family), output
+    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
+
+
 # ---- one run writes a run folder at a time ----
 
 DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
