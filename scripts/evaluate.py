@@ -77,6 +77,9 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
     if is_hf(data_dir) and kind != "folder":  # any split by name, decoded as the model's training set was
         return decode_split(find_hf_split(data_dir, split, **columns), size=meta["image_size"],
                             channels=meta["model_kwargs"]["in_chans"], accelerator=accelerator)
+    if kind == "digits" and data_dir is not None:  # else the digits would be scored under the folder's name
+        raise UserError(f"--data_dir {data_dir}: the digits are scikit-learn's and take no --data_dir; to score the "
+                        "images there, add --dataset folder")
     if kind == "folder":
         listed = find_hf_split(data_dir, split, **columns) if is_hf(data_dir) else list_folder_split(data_dir, split)
         dataset = build_folder_dataset(listed, transform=build_eval_transform(meta["eval_transform"]),

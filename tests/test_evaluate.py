@@ -108,6 +108,12 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
     assert np.allclose([float(r["probability"]) for r in both], expected.max(1).values.numpy(), atol=1e-5)
     title = json.loads((tmp_path / "tta2" / "mistakes.json").read_text())["title"]
     assert "(digits, test, flip + translate TTA)" in title
+    # a folder given to a digits model: the digits were scored under the folder's name
+    (tmp_path / "photos").mkdir()
+    message = refused("evaluate.py", "--model_dir", digits_run / "best", "--data_dir", tmp_path / "photos",
+                      "--output_dir", tmp_path / "folder")
+    assert message.strip() == (f"error: --data_dir {tmp_path / 'photos'}: the digits are scikit-learn's and take no --data_dir; "
+                               "to score the images there, add --dataset folder")
 
 
 def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path):
