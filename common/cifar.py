@@ -32,6 +32,10 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
         download_dataset("CIFAR10", root)
         found = _find_cifar10(root)
     if found is None:
+        whole = root.parent  # --data_dir DIR/train, one level too deep
+        if root.name in ("train", "test", "val") and _find_cifar10(whole) == ("folder", whole):
+            raise UserError(f"no CIFAR-10 found at {root}: it is a split of the ImageFolder tree {whole}, which the "
+                            f"script reads whole (train/ to train, the other to test): pass --data_dir {whole}")
         raise UserError(
             f"no CIFAR-10 found at {root}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
             f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "

@@ -247,6 +247,13 @@ def test_cifar_archive_that_is_not_a_tarball_says_how_to_fix_it_and_download_rep
         build_cifar10(tmp_path, download=True)
 
 
+def test_a_cifar_data_dir_one_level_too_deep_names_the_tree_above(cifar_jpegs):
+    for split in ("train", "test"):
+        with pytest.raises(UserError, match=rf"it is a split of the ImageFolder tree {cifar_jpegs}, .*: pass "
+                                            rf"--data_dir {cifar_jpegs}$"):
+            build_cifar10(cifar_jpegs / split)
+
+
 def test_hf_prefix_on_a_plain_folder_says_to_drop_it(tmp_path, cifar_jpegs):
     with pytest.raises(UserError, match=r"neither one written by save_to_disk nor one of data files.*without hf:"):
         build_cifar10(f"hf:{cifar_jpegs}")
