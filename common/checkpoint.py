@@ -121,6 +121,11 @@ def restore_args(args, saved, *, parse_args):
     """The checkpoint's arguments, except the runtime flags; a flag typed with another value (even its default) is
     refused. Parsed again, so that a value edited by hand in trainer_state.json is checked like a typed one."""
     defaults, restored = vars(parse_args([])), dict(vars(args))
+    foreign = [f"--{name}" for name in saved if name not in defaults]
+    if foreign:  # else the other script's values were checked against this one's flags, and called edited by hand
+        raise UserError(f"the checkpoint is another training script's: its arguments {', '.join(foreign[:4])} are "
+                        "not this script's. Resume it with the script that trained it, or choose another "
+                        "--output_dir.")
     typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
     for name, value in saved.items():
         if name in args.runtime or name not in restored or restored[name] == value:

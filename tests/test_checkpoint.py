@@ -99,6 +99,11 @@ def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
     older = {**vars(cifar([])), "max_grad_norm": None}
     assert cifar([]).max_grad_norm == 1.0 and cifar(["--max_grad_norm", "0"]).max_grad_norm == 0  # 0: off
     assert restore_args(cifar(["--resume", "latest"]), older, parse_args=cifar).max_grad_norm is None
+    # another script's checkpoint (a run folder resumed with the wrong script): said so, not "edited by hand"
+    for name, other in (("train_seedlings.py", saved), ("train_mnist.py", older)):
+        parse = load_script(name).parse_args
+        with pytest.raises(UserError, match=r"^the checkpoint is another training script's: its arguments --"):
+            restore_args(parse(["--resume", "latest"]), other, parse_args=parse)
 
 
 def test_best_folder_is_replaced_as_a_whole_and_a_kill_between_renames_is_repaired(tmp_path):
