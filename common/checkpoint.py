@@ -123,9 +123,9 @@ def restore_args(args, saved, *, parse_args):
     defaults, restored = vars(parse_args([])), dict(vars(args))
     foreign = [f"--{name}" for name in saved if name not in defaults]
     if foreign:  # else the other script's values were checked against this one's flags, and called edited by hand
-        raise UserError(f"the checkpoint is another training script's: its arguments {', '.join(foreign[:4])} are "
-                        "not this script's. Resume it with the script that trained it, or choose another "
-                        "--output_dir.")
+        raise UserError(f"the checkpoint is another training script's (or another version's): its arguments "
+                        f"{', '.join(foreign[:4])} are not this script's. Resume it with the script that trained it, "
+                        "or choose another --output_dir.")
     typed = getattr(args, "typed", None)  # None: built without our parser; a value other than the default was typed
     for name, value in saved.items():
         if name in args.runtime or name not in restored or restored[name] == value:
