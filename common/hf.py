@@ -92,6 +92,11 @@ def load_hf(data_dir, config=None, *, streaming=False):
     if os.environ.get("RANK", "0") != "0":  # one process shows the download and conversion
         datasets.disable_progress_bars()
     spec = str(data_dir)[len(PREFIX):]
+    if not spec.strip():
+        raise UserError(f"{data_dir!r} names no dataset: pass hf:NAME (a dataset on the Hub), hf:PATH (a folder "
+                        "written by save_to_disk, or of data files) or hf:parquet:GLOB")
+    if spec.startswith(("/", "./", "../")) and not Path(spec).exists():  # a path, never a name on the Hub
+        raise UserError(f"{data_dir}: {spec} not found")
     kind, _, files = spec.partition(":")
     saved = Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json"))
     if config is not None and ((kind in FORMATS and files) or saved):

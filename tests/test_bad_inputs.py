@@ -257,6 +257,10 @@ def test_a_cifar_data_dir_one_level_too_deep_names_the_tree_above(cifar_jpegs):
 def test_hf_prefix_on_a_plain_folder_says_to_drop_it(tmp_path, cifar_jpegs):
     with pytest.raises(UserError, match=r"neither one written by save_to_disk nor one of data files.*without hf:"):
         build_cifar10(f"hf:{cifar_jpegs}")
+    with pytest.raises(UserError, match=r"^'hf:' names no dataset: pass hf:NAME \(a dataset on the Hub\)"):
+        build_cifar10("hf:")
+    with pytest.raises(UserError, match=rf"^hf:{tmp_path / 'typo'}: {tmp_path / 'typo'} not found$"):
+        build_cifar10(f"hf:{tmp_path / 'typo'}")  # was "read as a dataset name on the Hub"
 
 
 # ---- folders of class folders ----
