@@ -471,6 +471,15 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
             "builds resnet18_cifar with {'num_classes': 3, 'in_chans': 3}") in message
 
     message = refused(MNIST.name, "--dataset", "digits", "--output_dir", tmp_path / "b", "--resume", checkpoint)
+    assert message.startswith("error: the checkpoint is another training script's (or another version's): its "
+                              "arguments --model, "), message
+    # a checkpoint whose arguments this script takes but whose model it does not build: a copy of the script with
+    # another --model default, say
+    foreign = load_script(MNIST.name).parse_args
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    mnist_args = {name: value for name, value in saved["args"].items() if name in vars(foreign([]))}
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**saved, "args": {**mnist_args, "dataset": "digits"}}))
+    message = refused(MNIST.name, "--dataset", "digits", "--output_dir", tmp_path / "c", "--resume", checkpoint)
     assert "holds resnet18_cifar with {'num_classes': 10, 'in_chans': 3}, but this run builds mnist_convnet" in message
 
 
