@@ -168,7 +168,8 @@ def main(args):
         weights = balanced_sampling_weights(train_set.labels) if args.sampler == "balanced" else None
         train_dataloader = build_file_dataloader(train_set, num_workers=num_workers, batch_sampler=MicroBatches(
             len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator, weights=weights))
-        for name, left_out in (("files or folders that are not images", skipped), ("unreadable train images", train_set.left_out),
+        for name, left_out in (("files or folders that are not images", skipped),
+                               ("unreadable train images", train_set.left_out),
                                ("unreadable val images", eval_set.left_out)):
             if left_out:
                 accelerator.print(f"warning: left out {len(left_out)} {name}, e.g. {left_out[0]}")
