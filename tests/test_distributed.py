@@ -249,11 +249,15 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=16)
 
 
-def test_a_last_call_timeout_that_is_no_number_is_one_line_before_anything_starts(tmp_path):
-    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="2s")
+@pytest.mark.parametrize("environment, message", [
+    ({"MIN_NODES": "1", "LAST_CALL_TIMEOUT": "2s"},
+     "error: LAST_CALL_TIMEOUT=2s: a whole number of seconds (torchrun's last_call_timeout), e.g. 30"),
+    *(({"MIN_NODES": value}, f"error: MIN_NODES={value}: a whole number of nodes from 1 to the job's 2, the fewest "
+       "the job goes on with when others are lost") for value in ("abc", "0", "3"))])  # torchrun's traceback per node
+def test_an_elastic_setting_out_of_range_is_one_line_before_anything_starts(tmp_path, environment, message):
+    job, env = slurm_job(tmp_path, **environment)
     result = run_command(job, env=env)
-    assert result.returncode == 2 and result.output.strip() == (
-        "error: LAST_CALL_TIMEOUT=2s: a whole number of seconds (torchrun's last_call_timeout), e.g. 30"), result.output
+    assert result.returncode == 2 and result.output.strip() == message, result.output
     assert not (tmp_path / "node0.log").exists()  # no node was started
 
 
