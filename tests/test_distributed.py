@@ -261,6 +261,27 @@ def test_an_elastic_setting_out_of_range_is_one_line_before_anything_starts(tmp_
     assert not (tmp_path / "node0.log").exists()  # no node was started
 
 
+def test_an_output_dir_among_the_scripts_arguments_is_the_folder_the_job_says_and_continues(tmp_path):
+    """The job's first line and its look for a checkpoint read the folder the script will write: it was the default
+    outputs/<job>-<id> whatever --output_dir the user gave the script."""
+    job, env = slurm_job(tmp_path)
+    stub = tmp_path / "stub"  # each node's launcher only says what it was asked to launch
+    stub.mkdir()
+    (stub / "accelerate").write_text('#!/bin/bash\necho "launch $*"\n')
+    (stub / "accelerate").chmod(stat.S_IRWXU)
+    env["PATH"] = f"{stub}:{env['PATH']}"
+    run = tmp_path / "mine"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("epoch_001_end")
+    for given in (["--output_dir", run], [f"--output_dir={run}"]):
+        result = run_command([*job, *given], env=env)
+        assert result.returncode == 0, result.output
+        assert f"output {run}, up to 2 restarts, continuing its latest checkpoint" in result.output
+        for node in (0, 1):
+            launched = (tmp_path / f"node{node}.log").read_text()
+            assert re.findall(r"--output_dir[ =](\S+)", launched) == [str(run)] * 2, launched
+
+
 def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path):
     """MIN_NODES=1: the batch file launches torchrun with c10d and --nnodes 1:2; node 1's launcher and process are
     killed after the first checkpoint (a node failure under `sbatch --no-kill`); node 0's process fails on the lost
