@@ -6,7 +6,8 @@ training scripts read, the one the model was trained on unless --dataset says ot
   mnist, fashion_mnist   IDX files;  digits   scikit-learn's digits (no --data_dir)
   folder         DIR/<class>/<image>, or DIR/<split>/<class>/<image>
   any of them    hf:NAME_OR_PATH, a Hugging Face dataset (--image_column, --label_column if not found by type)
---split (default test) picks the split of the first three; for folder, DIR/<split> when DIR has one; for a
+--split (default test) picks the split of the first three; for folder, DIR/<split> when DIR has one, else
+(train or val) the share the training run's --val_fraction and --seed split off, else all of DIR; for a
 Hugging Face dataset, the split of that name.
 Classes are matched by name: the dataset may hold fewer classes than the model, never others.
 Preprocessing is the training run's evaluation (meta.json's eval_transform, mean, std).
@@ -34,7 +35,7 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, positive_int  # noqa: E402
-from common.folders import build_file_dataloader, build_folder_dataset  # noqa: E402
+from common.folders import build_file_dataloader, build_folder_dataset, find_splits  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
 from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
@@ -81,12 +82,25 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
         raise UserError(f"--data_dir {data_dir}: the digits are scikit-learn's and take no --data_dir; to score the "
                         "images there, add --dataset folder")
     if kind == "folder":
-        listed = find_hf_split(data_dir, split, **columns) if is_hf(data_dir) else list_folder_split(data_dir, split)
+        trained = meta.get("args", {})
+        listed = (find_hf_split(data_dir, split, **columns) if is_hf(data_dir)
+                  else list_folder_split(data_dir, split, val_fraction=trained.get("val_fraction"),
+                                         seed=trained.get("seed")))
         dataset = build_folder_dataset(listed, transform=build_eval_transform(meta["eval_transform"]),
                                        skip_bad_images=skip_bad_images, accelerator=accelerator)
-        if dataset.left_out and accelerator.is_main_process:
-            print(f"warning: left out {len(dataset.left_out)} unreadable images, e.g. {dataset.left_out[0]}",
-                  file=sys.stderr)
+        if accelerator.is_main_process:
+            if dataset.left_out:
+                print(f"warning: left out {len(dataset.left_out)} unreadable images, e.g. {dataset.left_out[0]}",
+                      file=sys.stderr)
+            if not is_hf(data_dir) and not (Path(data_dir) / split).is_dir():  # DIR/<class>/<image>
+                print(f"{data_dir} has no {split}/ folder: scoring " + (
+                    f"its {split} share as the training run's --val_fraction {trained['val_fraction']} and --seed "
+                    f"{trained['seed']} split a folder (stratified), {len(listed['files'])} images"
+                    if listed["name"] in ("train", "val") else f"all its {len(listed['files'])} images"))
+            if listed["name"] == "all" and (Path(data_dir) / ".checked-train.json").exists():
+                print(f"warning: a training run split {data_dir} into train and val here (its .checked-train.json): "
+                      "its training images are among those scored; --split val scores only the ones it held out",
+                      file=sys.stderr)
         return dataset
     if split not in ("train", "test"):
         raise UserError(f"--split {split}: a {kind} dataset has the splits train and test")
@@ -94,13 +108,18 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
     return train if split == "train" else test
 
 
-def list_folder_split(data_dir, split):
-    """DIR/<split>/<class>/<image> where DIR has that split, else DIR/<class>/<image>, as find_splits lists them."""
+def list_folder_split(data_dir, split, *, val_fraction, seed):
+    """DIR/<split>/<class>/<image> where DIR has that split, else DIR/<class>/<image>, as find_splits lists them: of
+    it, with --split train or val, the share that a split here with the training run's `val_fraction` and `seed`
+    gives that name (the run's own split where it trained on DIR), else all of it."""
     named = (Path(data_dir) / split).is_dir()
     splits = [] if named or not Path(data_dir).is_dir() else split_names(data_dir)
     if splits:  # DIR/<split>/<class>/<image> without this split
         raise UserError(f"no split {split!r} in {data_dir} (there are: {', '.join(splits)}): pass --split "
                         f"{' or --split '.join(splits)}")
+    if not named and split in ("train", "val") and val_fraction and seed is not None:
+        train, val, _, _ = find_splits(data_dir, val_fraction=val_fraction, seed=seed)
+        return train if split == "train" else val
     files, labels, classes, _ = list_image_folder(Path(data_dir) / split if named else data_dir)
     # the check is kept where a training run keeps its own
     return {"files": files, "labels": labels, "classes": classes, "name": split if named else "all",

@@ -80,6 +80,26 @@ def test_seedlings_as_a_saved_hf_dataset_train_on_two_processes_as_their_folders
     assert scores["macro avg"]["support"] == 26
     assert scores["accuracy"] == pytest.approx(max(record["val_accuracy"] for record in metrics), abs=1e-6)
 
+    # evaluate.py --split val on the class folders the split came from (no val/ there): the folder run's validation
+    # images (split_dataset.py splits as a run splits here), not all 85 under the name "val"
+    flat = script("evaluate.py", "--model_dir", tmp_path / "folder", "--data_dir", seedlings, "--split", "val",
+                  "--output_dir", tmp_path / "eval-val", "--num_workers", 0)
+    assert flat.returncode == 0, flat.output
+    assert (f"{seedlings} has no val/ folder: scoring its val share as the training run's --val_fraction 0.3 and "
+            "--seed 42 split a folder (stratified), 26 images") in flat.output
+    scored = sorted(Path(row["file"]).name for row in csv.DictReader(open(tmp_path / "eval-val" / "predictions.csv")))
+    assert scored == sorted(path.name for path in (split / "val").rglob("*.png"))
+    folder_metrics, _ = read_run(tmp_path / "folder")
+    assert json.loads((tmp_path / "eval-val" / "classification_report.json").read_text())["accuracy"] == (
+        pytest.approx(max(record["val_accuracy"] for record in folder_metrics), abs=1e-6))
+    assert script("evaluate.py", "--model_dir", tmp_path / "folder", "--data_dir", seedlings, "--split", "train",
+                  "--output_dir", tmp_path / "eval-train", "--num_workers", 0).returncode == 0  # 59, its record kept
+    whole = script("evaluate.py", "--model_dir", tmp_path / "folder", "--data_dir", seedlings, "--output_dir",
+                   tmp_path / "eval-all", "--num_workers", 0)
+    assert whole.returncode == 0, whole.output
+    assert f"{seedlings} has no test/ folder: scoring all its 85 images" in whole.output
+    assert "its training images are among those scored; --split val scores only the ones it held out" in whole.output
+
 
 @pytest.mark.slow
 def test_a_streamed_split_on_two_processes_stopped_by_sigterm_goes_on_where_each_stream_stopped(tmp_path, seedlings):
