@@ -178,8 +178,9 @@ def download_dataset(name, root):
     try:
         getattr(torchvision.datasets, name)(root=root, download=True)
     except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError on a bad file
-        raise UserError(f"--download: could not fetch {name} into {root} ({error}). Without internet (a compute "
-                        "node), download it on a machine that has it and copy the files into --data_dir") from None
+        raise UserError(f"--download: could not fetch {name} into {root} ({' '.join(str(error).split())}). Without "
+                        "internet (a compute node), download it on a machine that has it and copy the files into "
+                        "--data_dir") from None
 
 
 def check_labels(labels, classes, *, source):

@@ -245,6 +245,9 @@ def test_cifar_archive_that_is_not_a_tarball_says_how_to_fix_it_and_download_rep
     # --download tries to fetch a new one instead of reading the broken file (offline here: it says so)
     with pytest.raises(UserError, match=r"--download: could not fetch CIFAR10"):
         build_cifar10(tmp_path, download=True)
+    with pytest.raises(UserError, match=r"--download: could not fetch MNIST") as offline:
+        build_mnist(tmp_path / "mnist", name="mnist", download=True)
+    assert "\n" not in str(offline.value)  # torchvision's lines (a mirror each) joined into the one message
 
 
 def test_a_cifar_data_dir_one_level_too_deep_names_the_tree_above(cifar_jpegs):
