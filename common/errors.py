@@ -35,6 +35,15 @@ atexit.register(gc.freeze)
 PEER_LOST = r"time ?out|timed out|closed by peer|connection reset|broken pipe"
 
 
+def refuse_several_processes(tool):
+    """A tool of one process, started by a launcher as several, would do its work and write its files once per
+    process: one message instead."""
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if processes > 1:
+        raise UserError(f"{tool} runs in one process and was launched as {processes}, each of which would write the "
+                        f"same files: run it with python scripts/{tool} (not accelerate launch)")
+
+
 def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
     try:

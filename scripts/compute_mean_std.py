@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.errors import UserError, run_main  # noqa: E402
+from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser  # noqa: E402
 from common.hf import hf_images, hf_options, is_hf  # noqa: E402
 from common.images import read_image  # noqa: E402
@@ -58,6 +58,7 @@ def is_mean_std_json(path):
 
 
 def main(args):
+    refuse_several_processes("compute_mean_std.py")
     columns = hf_options(args, args.folder, flag="")  # --image_column: refused with a folder
     paths = hf_images(args.folder, args.split, **columns) if is_hf(args.folder) else find_images([args.folder])
     check_output_file(args.output, suffix=".json", what="a JSON written by compute_mean_std.py",

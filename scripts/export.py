@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.data import preprocess  # noqa: E402
-from common.errors import UserError, run_main  # noqa: E402
+from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.exported import INPUT, OUTPUT, OnnxModel, description_path  # noqa: E402
 from common.flags import ArgumentParser, number  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
@@ -85,6 +85,7 @@ def compare(model, exported, images, meta):
 
 
 def main(args):
+    refuse_several_processes("export.py")
     paths = find_images(args.check_images)
     check_output_file(args.output, suffix=".onnx", what="an ONNX model", is_ours=lambda path: False, inputs=paths,
                       overwrite=args.overwrite)

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
-from common.errors import UserError, run_main  # noqa: E402
+from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, seed  # noqa: E402
 from common.images import list_image_folder, split_dataset  # noqa: E402
 from common.outputs import check_not_inside, write_atomically  # noqa: E402
@@ -36,6 +36,7 @@ def parse_args(argv=None):
 
 
 def main(args):
+    refuse_several_processes("split_dataset.py")
     source, target = Path(args.source), Path(args.target)
     check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
     if target.exists() and (not target.is_dir() or any(target.iterdir())):

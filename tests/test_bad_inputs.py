@@ -135,6 +135,23 @@ def test_under_a_two_process_launch_a_user_error_is_said_once_at_the_end(tmp_pat
         root_cause = result.output.split("Root Cause (first observed failure):")[1]
         assert "traceback : " in root_cause and message in root_cause and "exitcode  : 2" in root_cause
         assert 'train_mnist.py", line' not in result.output
+    # a tool of one process, launched as two: refused before it writes (each process would write the same files)
+    result = launch(SCRIPTS / "split_dataset.py", ODD_IMAGES.parent / "seedlings", tmp_path / "split")
+    message = "error: split_dataset.py runs in one process and was launched as 2, each of which would write the same"
+    assert result.returncode != 0 and result.output.count(message) == 1, result.output
+    assert not (tmp_path / "split").exists()
+
+
+@pytest.mark.parametrize("tool", ["export.py", "compute_mean_std.py", "split_dataset.py"])
+def test_a_tool_of_one_process_launched_as_several_is_refused_before_it_reads_anything(tmp_path, monkeypatch, tool):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # what a launcher of 4 processes gives each
+    args = {"export.py": ["--model_dir", tmp_path / "best", "--output", tmp_path / "m.onnx", "--check_images", tmp_path],
+            "compute_mean_std.py": [tmp_path, "--output", tmp_path / "stats.json"],
+            "split_dataset.py": [tmp_path, tmp_path / "split"]}[tool]
+    assert_refused(script(tool, *args), f"error: {tool} runs in one process and was launched as 4, each of which "
+                                        f"would write the same files: run it with python scripts/{tool} (not "
+                                        "accelerate launch)")
+    assert not list(tmp_path.iterdir())
 
 
 def test_report_to_wandb_without_wandb_is_refused(tmp_path):
