@@ -181,14 +181,19 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
         images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
         return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
     rows = range(rank, len(files), processes)
-    mine = _decode_rows(decode, files, rows, tmp)
-    if accelerator is None or accelerator.num_processes == 1:
-        bad, shares = mine, [len(rows)]
-    else:  # also the moment every process of every machine has written its rows
-        bad, shares = _gather_lists(mine, len(rows))
-        bad = list(dict(bad).items())  # several machines: each image decoded once on each
-    if rank == 0:
-        publish(tmp, path)
+    try:
+        mine = _decode_rows(decode, files, rows, tmp)
+        if accelerator is None or accelerator.num_processes == 1:
+            bad, shares = mine, [len(rows)]
+        else:  # also the moment every process of every machine has written its rows
+            bad, shares = _gather_lists(mine, len(rows))
+            bad = list(dict(bad).items())  # several machines: each image decoded once on each
+        if rank == 0:
+            publish(tmp, path)
+    except BaseException:  # Ctrl-C, a lost process: the half-written file, as big as the cache, not left in the data
+        if rank == 0:
+            tmp.unlink(missing_ok=True)
+        raise
     if accelerator:
         accelerator.wait_for_everyone()
     return bad, shares, _map(path)

@@ -463,6 +463,32 @@ def test_forked_helpers_decode_their_rows_into_the_cache_as_one_process_does(tmp
     assert len(set(pids.read_text().split())) == (1 if helper_dies else 3)
 
 
+def test_a_decode_interrupted_by_ctrl_c_leaves_no_half_written_cache_beside_the_data(tmp_path, cifar_jpegs,
+                                                                                     monkeypatch):
+    """The cache is written under a temporary name as big as the whole (185 MB for 45,000 CIFAR-10 images at 37 px):
+    a Ctrl-C in the decode removes it (a killed run's is removed by the next run on the machine)."""
+    import common.decode_cache
+    from common.images import list_image_folder
+
+    files, *_ = list_image_folder(cifar_jpegs / "train")
+    reader, calls = common.decode_cache.read_image, []
+
+    def read_image(path, **kwargs):
+        calls.append(path)
+        if len(calls) == 50:
+            raise KeyboardInterrupt
+        return reader(path, **kwargs)
+
+    monkeypatch.setattr(common.decode_cache, "read_image", read_image)
+    monkeypatch.setattr(common.decode_cache, "machine_share", lambda: (1, 1))
+    record, cache = tmp_path / ".checked-train.json", {"resize": [32, 32]}
+    with pytest.raises(KeyboardInterrupt):
+        common.decode_cache.check_images(files, skip_bad_images=False, record=record, cache=cache)
+    assert len(calls) == 50 and sorted(p.name for p in tmp_path.iterdir()) == []
+    good, bad, images = common.decode_cache.check_images(files, skip_bad_images=False, record=record, cache=cache)
+    assert len(good) == len(files) == 151 and not bad and images.shape == (151, 3, 32, 32)
+
+
 def test_the_center_cropped_eval_transform_is_torchvisions_compose_pixel_for_pixel(cifar_jpegs):
     """build_eval_transform calls torchvision's functions instead of its v2.Compose (a fifth of the time per image):
     the same uint8 pixels, from a PIL image (RGB, grayscale) or a tensor, scaled up or down, square or not."""
