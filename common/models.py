@@ -253,12 +253,14 @@ def load_pretrained(model, name, source):
             else:
                 state_dict = torch.load(path, map_location="cpu", weights_only=True)
                 state_dict = state_dict.get("state_dict", state_dict.get("model", state_dict))
-        except pickle.UnpicklingError as error:  # weights_only refused a class: a whole pickled model, say
+        except pickle.UnpicklingError as error:  # weights_only refused a class (a whole pickled model), or no pickle
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
-            raise UserError(f"--pretrained {source} holds pickled Python objects"
-                            + (f" ({found.group(1)})" if found else "") + ", not only tensors: it is not loaded, since "
-                            "unpickling can run any code. Save the weights alone, e.g. torch.save(model.state_dict(), "
-                            "'weights.pth'), and pass that file") from None
+            if not found:  # a text file, a web page saved under the name
+                raise UserError(f"--pretrained {source}: not a weights file (neither safetensors nor what torch.save "
+                                "writes)") from None
+            raise UserError(f"--pretrained {source} holds pickled Python objects ({found.group(1)}), not only tensors: "
+                            "it is not loaded, since unpickling can run any code. Save the weights alone, e.g. "
+                            "torch.save(model.state_dict(), 'weights.pth'), and pass that file") from None
         except Exception as error:  # any unreadable file: one message, not a traceback
             raise UserError(f"--pretrained {source}: not a readable weights file ({error})") from None
     own = model.state_dict()

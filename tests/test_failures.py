@@ -475,6 +475,11 @@ def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monk
                       *SMALL_SEEDLINGS, "--pretrained", tmp_path / "whole_model.pth")
     assert (f"--pretrained {tmp_path / 'whole_model.pth'} holds pickled Python objects (torch.nn.modules.linear."
             "Linear), not only tensors") in message
+    (tmp_path / "page.pth").write_text("<html>404 Not Found</html>")  # a download that went wrong
+    message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "page",
+                      *SMALL_SEEDLINGS, "--pretrained", tmp_path / "page.pth")
+    assert message.strip() == (f"error: --pretrained {tmp_path / 'page.pth'}: not a weights file (neither safetensors "
+                               "nor what torch.save writes)")
 
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"not read: onnxruntime is missing")
