@@ -26,7 +26,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from .data import InMemoryDataset
 from .errors import UserError
 from .images import build_eval_transform, read_image
-from .outputs import publish, write_if_possible
+from .outputs import publish, remove, write_if_possible
 
 
 def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record=None):
@@ -170,8 +170,8 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
             np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), *shape)).flush()
             with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
                 os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        except OSError:  # a full disk, or a read-only one
+            remove(tmp)
             tmp = None
     if processes > 1:  # the machine's main process names its file to the machine's other processes
         tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
@@ -192,7 +192,7 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
             publish(tmp, path)
     except BaseException:  # Ctrl-C, a lost process: the half-written file, as big as the cache, not left in the data
         if rank == 0:
-            tmp.unlink(missing_ok=True)
+            remove(tmp)
         raise
     if accelerator:
         accelerator.wait_for_everyone()

@@ -353,5 +353,5 @@ def remove(path):
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
+    elif path.exists() or path.is_symlink():  # not unlinked blind: a read-only filesystem refuses even a missing file
         path.unlink(missing_ok=True)

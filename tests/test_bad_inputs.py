@@ -417,6 +417,35 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
         subprocess.run(["umount", read_only])
 
 
+@pytest.mark.slow
+def test_data_on_a_read_only_filesystem_trains_and_evaluates_without_keeping_its_check(tmp_path, cifar_jpegs):
+    """A cluster's shared datasets are often mounted read-only: the image check and the decode cache, which only
+    spare the next run some time, stay in memory (it was a traceback: even the unlink of a file never made is
+    refused there)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only filesystem needs root")
+    data = tmp_path / "ro"
+    data.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", data]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(ODD_IMAGES.parent / "seedlings", data / "seedlings")
+        shutil.copytree(cifar_jpegs, data / "cifar10")
+        subprocess.run(["mount", "-o", "remount,ro", data], check=True)
+        seedlings = script("train_seedlings.py", "--data_dir", data / "seedlings", "--model", "test_resnet",
+                           "--image_size", 32, "--epochs", 1, "--batch_size", 8, "--output_dir", tmp_path / "seedlings")
+        assert seedlings.returncode == 0, seedlings.output
+        assert "checked 59 images on 1 process(es) (59)\n" in seedlings.output  # and not "kept in"
+        cifar = script("train_cifar.py", "--data_dir", data / "cifar10", "--model", "test_resnet", "--epochs", 1,
+                       "--max_steps", 2, "--batch_size", 16, "--output_dir", tmp_path / "cifar")
+        assert cifar.returncode == 0, cifar.output
+        evaluated = script("evaluate.py", "--model_dir", tmp_path / "cifar", "--data_dir", data / "cifar10",
+                           "--output_dir", tmp_path / "evaluation")
+        assert evaluated.returncode == 0 and "(cifar10, test): 101 images" in evaluated.output, evaluated.output
+    finally:
+        subprocess.run(["umount", data])
+
+
 # ---- checkpoints and best/ folders edited or damaged by hand ----
 
 def write_checkpoint(folder, **state):
