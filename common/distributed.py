@@ -62,7 +62,23 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so. "
                         "Pass --mixed_precision no (or bf16, which recent CPUs run), or use a config without fp16.")
+    if compile and accelerator.device.type == "cpu":
+        check_cpp_compiler()
     return accelerator
+
+
+def check_cpp_compiler():
+    """torch.compile's Inductor builds C++ kernels on the CPU: without a working compiler (a slim container) it
+    failed at the first step, in a traceback of 30 frames."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        raise UserError("--compile on the CPU needs a C++ compiler, which torch.compile builds its kernels with, and "
+                        f"none works here ({os.environ.get('CXX', 'g++')}): install one (apt-get install g++), or "
+                        "drop --compile") from None
 
 
 def choose_mixed_precision(given, *, cpu):

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,21 @@ def test_a_tool_of_one_process_launched_as_several_is_refused_before_it_reads_an
                                         f"would write the same files: run it with python scripts/{tool} (not "
                                         "accelerate launch)")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_compile_on_the_cpu_without_a_cpp_compiler_is_one_message_before_anything_is_written(tmp_path):
+    """A slim container has no g++; Inductor needs one for CPU kernels and failed at the first step in 30 frames.
+    A process of its own: Inductor reads CXX once, when it is imported."""
+    from conftest import run_command
+
+    missing = tmp_path / "bin" / "g++"
+    result = run_command([sys.executable, SCRIPTS / "train_mnist.py", "--dataset", "digits", "--compile",
+                          "--output_dir", tmp_path / "run"], env={"CXX": str(missing)})
+    assert_refused(result, "error: --compile on the CPU needs a C++ compiler, which torch.compile builds its kernels "
+                           f"with, and none works here ({missing}): install one (apt-get install g++), or drop "
+                           "--compile")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_report_to_wandb_without_wandb_is_refused(tmp_path):
