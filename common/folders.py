@@ -75,10 +75,11 @@ def random_resized_crop(images, *, size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3)
     return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
-def find_splits(data_dir, *, val_fraction, seed, hf_options=None):
+def find_splits(data_dir, *, val_fraction, seed, hf_options=None, fraction_typed=False):
     """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`, or from a Hugging Face
     dataset (`hf:...`, chosen by `hf_options`: common.hf.hf_options); a split is a dict of "files", "labels",
-    "classes", "name" (train, val), "root" (where its decode cache goes) and "source" (the data, in words)."""
+    "classes", "name" (train, val), "root" (where its decode cache goes) and "source" (the data, in words).
+    `fraction_typed`: --val_fraction was typed, and is refused where train/ and val/ leave it nothing to do."""
     if is_hf(data_dir):
         return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, options=hf_options)
     root = Path(data_dir)
@@ -92,6 +93,10 @@ def find_splits(data_dir, *, val_fraction, seed, hf_options=None):
         raise UserError(f"{root} has {have}/ but no {lack}/: add {root / lack}/<class>/<image>, "
                         + (f"or pass --data_dir {root / 'train'} to split the training images here (--val_fraction)"
                            if has_train else f"or put the training images in {root / 'train'}/<class>/"))
+    if has_train and fraction_typed:
+        raise UserError(f"--val_fraction {val_fraction} splits a folder of class folders here, and {root} has train/ "
+                        f"and val/ (val/ validates): drop --val_fraction, or pass --data_dir {root / 'train'} to split "
+                        "its training images")
     if has_train:
         train_files, train_labels, classes, skipped = list_image_folder(root / "train")
         val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")

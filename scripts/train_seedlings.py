@@ -138,7 +138,8 @@ def main(args):
         (train_split, val_split, classes), skipped = find_hf_stream(args.data_dir, **hf_options(args)), []
     else:
         train_split, val_split, classes, skipped = find_splits(args.data_dir, val_fraction=args.val_fraction,
-                                                               seed=args.seed, hf_options=hf_options(args))
+                                                               seed=args.seed, hf_options=hf_options(args),
+                                                               fraction_typed="val_fraction" in args.typed)
     model_info = describe_model(args.model, classes, image_size=(args.image_size, args.image_size),
                                 normalize=(mean, std), dataset="folder",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint

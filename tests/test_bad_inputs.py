@@ -308,6 +308,18 @@ def test_train_and_test_folders_for_the_seedlings_script_say_to_name_it_val(tmp_
         find_splits(tmp_path, val_fraction=0.3, seed=42)
 
 
+def test_val_fraction_typed_for_train_and_val_folders_is_refused_not_ignored(tmp_path):
+    for split in ("train", "val"):
+        shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data" / split)
+    result = script("train_seedlings.py", "--data_dir", tmp_path / "data", "--val_fraction", 0.2, "--output_dir",
+                    tmp_path / "run")
+    assert_refused(result, f"error: --val_fraction 0.2 splits a folder of class folders here, and {tmp_path / 'data'} "
+                           "has train/ and val/ (val/ validates): drop --val_fraction, or pass --data_dir "
+                           f"{tmp_path / 'data' / 'train'} to split its training images")
+    train, val, _, _ = find_splits(tmp_path / "data", val_fraction=0.3, seed=42)  # the default, not typed: val/
+    assert len(train["files"]) == len(val["files"]) == 85
+
+
 def test_a_class_with_one_image_is_named(tmp_path):
     for name, count in (("Maize", 3), ("Cleavers", 1)):
         (tmp_path / name).mkdir()
