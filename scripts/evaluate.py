@@ -82,7 +82,7 @@ def build_dataset(kind, data_dir, split, *, meta, skip_bad_images, accelerator, 
         raise UserError(f"--data_dir {data_dir}: the digits are scikit-learn's and take no --data_dir; to score the "
                         "images there, add --dataset folder")
     if kind == "folder":
-        trained = meta.get("args", {})
+        trained = meta.get("args") or {}
         listed = (find_hf_split(data_dir, split, **columns) if is_hf(data_dir)
                   else list_folder_split(data_dir, split, val_fraction=trained.get("val_fraction"),
                                          seed=trained.get("seed")))
