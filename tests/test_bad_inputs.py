@@ -146,7 +146,8 @@ def test_under_a_two_process_launch_a_user_error_is_said_once_at_the_end(tmp_pat
 @pytest.mark.parametrize("tool", ["export.py", "compute_mean_std.py", "split_dataset.py"])
 def test_a_tool_of_one_process_launched_as_several_is_refused_before_it_reads_anything(tmp_path, monkeypatch, tool):
     monkeypatch.setenv("WORLD_SIZE", "4")  # what a launcher of 4 processes gives each
-    args = {"export.py": ["--model_dir", tmp_path / "best", "--output", tmp_path / "m.onnx", "--check_images", tmp_path],
+    args = {"export.py": ["--model_dir", tmp_path / "best", "--output", tmp_path / "m.onnx", "--check_images",
+                          tmp_path],
             "compute_mean_std.py": [tmp_path, "--output", tmp_path / "stats.json"],
             "split_dataset.py": [tmp_path, tmp_path / "split"]}[tool]
     assert_refused(script(tool, *args), f"error: {tool} runs in one process and was launched as 4, each of which "

@@ -102,7 +102,8 @@ def test_a_resumed_run_takes_the_checkpoints_arguments_but_not_its_location():
     # another script's checkpoint (a run folder resumed with the wrong script): said so, not "edited by hand"
     for name, other in (("train_seedlings.py", saved), ("train_mnist.py", older)):
         parse = load_script(name).parse_args
-        with pytest.raises(UserError, match=r"^the checkpoint is another training script's \(or another version's\): its arguments --"):
+        with pytest.raises(UserError, match=r"^the checkpoint is another training script's \(or another version's\): "
+                                            r"its arguments --"):
             restore_args(parse(["--resume", "latest"]), other, parse_args=parse)
 
 

@@ -112,8 +112,8 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
     (tmp_path / "photos").mkdir()
     message = refused("evaluate.py", "--model_dir", digits_run / "best", "--data_dir", tmp_path / "photos",
                       "--output_dir", tmp_path / "folder")
-    assert message.strip() == (f"error: --data_dir {tmp_path / 'photos'}: the digits are scikit-learn's and take no --data_dir; "
-                               "to score the images there, add --dataset folder")
+    assert message.strip() == (f"error: --data_dir {tmp_path / 'photos'}: the digits are scikit-learn's and take no "
+                               "--data_dir; to score the images there, add --dataset folder")
 
 
 def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path):
