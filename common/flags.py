@@ -3,6 +3,7 @@
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -94,10 +95,11 @@ seed = number(int, min=0, max=2**32 - 1)  # what numpy's and torch's generators 
 
 
 def path(text):
-    """An argparse `type` for a path: not empty (`--output_dir ""` would be the current folder)."""
+    """An argparse `type` for a path: not empty (`--output_dir ""` would be the current folder), and `~` the home
+    folder (a shell leaves it in `--output_dir=~/runs` and in quotes: a folder named ~ in the current one)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a path")
-    return text
+    return os.path.expanduser(text)
 
 
 def device(text):

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
-from common.flags import ArgumentParser  # noqa: E402
+from common.flags import ArgumentParser, path  # noqa: E402
 from common.hf import hf_images, hf_options, is_hf  # noqa: E402
 from common.images import read_image  # noqa: E402
 from common.outputs import write_atomically  # noqa: E402
@@ -25,12 +25,13 @@ from common.tools import check_output_file, find_images  # noqa: E402
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("folder", help="images, searched recursively, or hf:NAME_OR_PATH (a Hugging Face dataset)")
+    parser.add_argument("folder", type=path,
+                        help="images, searched recursively, or hf:NAME_OR_PATH (a Hugging Face dataset)")
     parser.add_argument("--split", default="train", help="hf: the split (default: %(default)s)")
     parser.add_argument("--dataset_config", default=None,
                         help="hf: the configuration (subset) of a dataset that has several (default: its only one)")
     parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
-    parser.add_argument("--output", default="mean_std.json",
+    parser.add_argument("--output", type=path, default="mean_std.json",
                         help="JSON to write; an existing one is replaced only if this script wrote it (default: %(default)s)")
     return parser.parse_args(argv)
 
@@ -38,11 +39,11 @@ def parse_args(argv=None):
 def mean_std(paths):
     """(mean, std, pixels) per RGB channel over all pixels of `paths`, values scaled to [0, 1]."""
     total, squares, pixels = np.zeros(3), np.zeros(3), 0
-    for path in paths:
+    for file in paths:
         try:
-            image = np.asarray(read_image(path), dtype=np.float64).reshape(-1, 3) / 255.0
+            image = np.asarray(read_image(file), dtype=np.float64).reshape(-1, 3) / 255.0
         except (OSError, ValueError) as error:
-            raise UserError(f"cannot read image {path}: {error}") from None
+            raise UserError(f"cannot read image {file}: {error}") from None
         total += image.sum(0)
         squares += (image * image).sum(0)
         pixels += len(image)
@@ -50,9 +51,9 @@ def mean_std(paths):
     return mean, np.sqrt(np.maximum(squares / pixels - mean * mean, 0.0)), pixels
 
 
-def is_mean_std_json(path):
+def is_mean_std_json(file):
     try:
-        return {"mean", "std"} <= json.loads(Path(path).read_text()).keys()
+        return {"mean", "std"} <= json.loads(Path(file).read_text()).keys()
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -34,7 +34,7 @@ from common.decode_cache import decode_split  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
-from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, positive_int  # noqa: E402
+from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, path, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset, find_splits  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
 from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
@@ -51,12 +51,13 @@ OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model_dir", required=True, help="best/, a run's output folder, or a checkpoint")
-    parser.add_argument("--data_dir", default=None, help="the labelled data (see above)")
+    parser.add_argument("--model_dir", type=path, required=True, help="best/, a run's output folder, or a checkpoint")
+    parser.add_argument("--data_dir", type=path, default=None, help="the labelled data (see above)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="its layout (default: the one the model was trained on, from meta.json)")
     parser.add_argument("--split", default="test", help="test, train, or a folder's split name (default: %(default)s)")
-    parser.add_argument("--output_dir", default=None, help="where the reports go (default: MODEL_DIR/../evaluation)")
+    parser.add_argument("--output_dir", type=path, default=None,
+                        help="where the reports go (default: MODEL_DIR/../evaluation)")
     parser.add_argument("--overwrite", action="store_true", help="replace reports that are there already")
     add_tta_arg(parser)
     parser.add_argument("--batch_size", type=positive_int, default=256, help="per process (default: %(default)s)")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.data import preprocess  # noqa: E402
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.exported import INPUT, OUTPUT, OnnxModel, description_path  # noqa: E402
-from common.flags import ArgumentParser, number  # noqa: E402
+from common.flags import ArgumentParser, number, path  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
 from common.models import load_best_model  # noqa: E402
@@ -33,10 +33,10 @@ from common.tools import ImageFiles, check_output_file, find_images  # noqa: E40
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model_dir", required=True, help="best/, a run's output folder, or a checkpoint")
-    parser.add_argument("--output", required=True, help="the .onnx file to write (its .json goes beside it)")
+    parser.add_argument("--model_dir", type=path, required=True, help="best/, a run's output folder, or a checkpoint")
+    parser.add_argument("--output", type=path, required=True, help="the .onnx file to write (its .json goes beside it)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    parser.add_argument("--check_images", nargs="+", required=True, metavar="PATH",
+    parser.add_argument("--check_images", type=path, nargs="+", required=True, metavar="PATH",
                         help="image files and/or folders to compare the export with PyTorch on")
     parser.add_argument("--tolerance", type=number(float, min=0, min_open=True), default=1e-4,
                         help="largest logit difference, relative to 1 + |logit| (default: %(default)s)")

@@ -24,7 +24,7 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import gather_samples, probabilities  # noqa: E402
 from common.exported import load_exported  # noqa: E402
-from common.flags import ArgumentParser, add_tta_arg, device, nonnegative_int, positive_int  # noqa: E402
+from common.flags import ArgumentParser, add_tta_arg, device, nonnegative_int, path, positive_int  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
 from common.models import load_best_model  # noqa: E402
@@ -35,10 +35,10 @@ from common.tools import ImageFiles, check_output_file, find_images  # noqa: E40
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("inputs", nargs="+", help="image files and/or folders (searched recursively)")
-    parser.add_argument("--model_dir", required=True,
+    parser.add_argument("inputs", type=path, nargs="+", help="image files and/or folders (searched recursively)")
+    parser.add_argument("--model_dir", type=path, required=True,
                         help="best/, a run's output folder, a checkpoint, or an .onnx file from scripts/export.py")
-    parser.add_argument("--output", default="predictions.csv",
+    parser.add_argument("--output", type=path, default="predictions.csv",
                         help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
     parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")

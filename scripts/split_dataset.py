@@ -19,15 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
-from common.flags import ArgumentParser, number, seed  # noqa: E402
+from common.flags import ArgumentParser, number, path, seed  # noqa: E402
 from common.images import list_image_folder, split_dataset  # noqa: E402
 from common.outputs import check_not_inside, write_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("source", help="folder of class folders")
-    parser.add_argument("target", help="new or empty folder for train/ and val/")
+    parser.add_argument("source", type=path, help="folder of class folders")
+    parser.add_argument("target", type=path, help="new or empty folder for train/ and val/")
     parser.add_argument("--val_fraction", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.3,
                         help="default: %(default)s")
     parser.add_argument("--seed", type=seed, default=42, help="default: %(default)s")

@@ -48,7 +48,7 @@ from common.distributed import build_accelerator  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.flags import (ArgumentParser, add_common_args, args_to_dict, nonnegative_float,  # noqa: E402
-                          nonnegative_int, number, positive_int, probability)
+                          nonnegative_int, number, path, positive_int, probability)
 from common.folders import (balanced_class_weights, balanced_sampling_weights, build_file_dataloader,  # noqa: E402
                             build_folder_dataset, build_train_transform, choose_cache, choose_num_workers,
                             find_splits, random_resized_crop, read_mean_std, training_cache)
@@ -65,11 +65,12 @@ from common.streaming import StreamedBatches, check_resumable, decode_streamed_s
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet50", help="any timm model name (default: %(default)s)")
-    parser.add_argument("--pretrained", default=None, metavar="FILE|hub",
+    parser.add_argument("--pretrained", type=path, default=None, metavar="FILE|hub",
                         help="ImageNet weights: a .safetensors/.pth file, or `hub` to download (online only)")
     parser.add_argument("--image_size", type=number(int, min=16, max=4096), default=224, help="train and eval crop (default: %(default)s)")
     parser.add_argument("--val_fraction", type=number(float, min=0, max=1, min_open=True, max_open=True), default=0.3, help="when DIR is split here (default: %(default)s)")
-    parser.add_argument("--mean_std", default=None, help="JSON from scripts/compute_mean_std.py (default: ImageNet's)")
+    parser.add_argument("--mean_std", type=path, default=None,
+                        help="JSON from scripts/compute_mean_std.py (default: ImageNet's)")
     parser.add_argument("--mixup_alpha", type=nonnegative_float, default=0.8, help="0 turns mixup off (default: %(default)s)")
     parser.add_argument("--cutmix_alpha", type=nonnegative_float, default=1.0, help="0 turns cutmix off (default: %(default)s)")
     parser.add_argument("--mixup_prob", type=probability, default=0.1, help="share of batches mixed (default: %(default)s)")

@@ -109,6 +109,21 @@ def test_a_bad_flag_value_stops_at_parse_time_naming_the_flag(name, flag, value,
     assert f"argument {flag}" in error and value in error and len(error.strip().splitlines()) == 1, error
 
 
+def test_a_tilde_the_shell_left_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
+    """`--output_dir=~/runs` and a quoted "~/runs" reach a script as they are: the run went into a folder named ~ in
+    the current one (which `rm -rf ~` would then clean up)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = script("train_mnist.py", "--dataset", "digits", "--epochs", 1, "--output_dir=~/run")
+    assert result.returncode == 0, result.output
+    assert (tmp_path / "run" / "metrics.jsonl").exists() and not (REPO / "~").exists()
+    for name, argv, key, expected in (
+            ("predict.py", ["--model_dir", "~/run", "~/photos"], "inputs", [str(tmp_path / "photos")]),
+            ("evaluate.py", ["--model_dir", "~/run/best", "--data_dir", "~/data"], "data_dir", str(tmp_path / "data")),
+            ("split_dataset.py", ["~/photos", "~/split"], "target", str(tmp_path / "split")),
+            ("train_seedlings.py", ["--mean_std", "~/stats.json"], "mean_std", str(tmp_path / "stats.json"))):
+        assert getattr(load_script(name).parse_args(argv), key) == expected, name
+
+
 def test_device_cuda_without_a_gpu_is_refused_at_parse_time(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
