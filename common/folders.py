@@ -79,9 +79,11 @@ def find_splits(data_dir, *, val_fraction, seed, hf_options=None, fraction_typed
     """(train, val, classes, skipped) from `root/train` + `root/val`, or split from `root`, or from a Hugging Face
     dataset (`hf:...`, chosen by `hf_options`: common.hf.hf_options); a split is a dict of "files", "labels",
     "classes", "name" (train, val), "root" (where its decode cache goes) and "source" (the data, in words).
-    `fraction_typed`: --val_fraction was typed, and is refused where train/ and val/ leave it nothing to do."""
+    `fraction_typed`: --val_fraction was typed, and is refused where train/ and val/ (a dataset's validation split)
+    leave it nothing to do."""
     if is_hf(data_dir):
-        return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, options=hf_options)
+        return find_hf_splits(data_dir, val_fraction=val_fraction, seed=seed, options=hf_options,
+                              fraction_typed=fraction_typed)
     root = Path(data_dir)
     has_train, has_val, has_test = (_is_split(root / name) for name in ("train", "val", "test"))
     if has_train and not has_val and has_test:

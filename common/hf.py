@@ -137,11 +137,11 @@ def load_hf(data_dir, config=None, *, streaming=False):
             else {"train": loaded})
 
 
-def find_hf_splits(data_dir, *, val_fraction, seed, options=None):
+def find_hf_splits(data_dir, *, val_fraction, seed, options=None, fraction_typed=False):
     """(train, val, classes, skipped) as `find_splits` gives them for a folder, the dataset's config, splits and
     columns as `options` (`hf_options`) choose them; each split's "source" says in words which were chosen and why,
     for the first log line. Without a validation split, `val_fraction` of the training split validates (None:
-    refused)."""
+    refused); `fraction_typed`: --val_fraction was typed, and is refused where a validation split validates."""
     options = {**dict.fromkeys(OPTIONS), **(options or {})}
     dataset_config, given_val = options.pop("dataset_config"), options["val_split"] is not None
     splits = load_hf(data_dir, dataset_config)
@@ -151,6 +151,9 @@ def find_hf_splits(data_dir, *, val_fraction, seed, options=None):
     if val_name is None and val_fraction is None:
         raise UserError(f"{data_dir} has no held-out split ({', '.join(VAL_SPLITS)}); its splits: "
                         f"{', '.join(map(repr, splits))}. Name the one to score with --val_split")
+    if val_name is not None and fraction_typed:
+        raise UserError(f"--val_fraction {val_fraction} splits the training split of a dataset without a held-out "
+                        f"one, and {data_dir} has {val_name!r}, which validates: drop --val_fraction")
     if val_name is None:
         train_rows, val_rows = split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)
         parts = {"train": (train, train_rows, [labels[i] for i in train_rows]),

@@ -112,6 +112,9 @@ def check_streaming(args):
         if given:
             raise UserError(f"{flag} cannot be used with --streaming: a stream is decoded per micro-batch and "
                             "augmented on the device, in the order it is read; drop one of them")
+    if "val_fraction" in args.typed:
+        raise UserError(f"--val_fraction {args.val_fraction} cannot be used with --streaming: a stream is not split "
+                        "here, its held-out split validates (--val_split names it); drop --val_fraction")
 
 
 def main(args):

@@ -236,6 +236,16 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
             train_split="training")
     refused(f"hf:{saved}", r"has no split 'dev'; its splits: 'train', 'test'\. Choose one with --val_split",
             val_split="dev")
+    # a typed --val_fraction where a split validates would be ignored: refused, as for train/ and val/ folders
+    with pytest.raises(UserError, match=r"^--val_fraction 0\.2 splits the training split of a dataset without "
+                                        r"a held-out one, and hf:.*saved has 'test', which validates: drop "
+                                        r"--val_fraction$"):
+        find_splits(f"hf:{saved}", val_fraction=0.2, seed=42, fraction_typed=True)
+    streamed = script("train_seedlings.py", "--data_dir", f"hf:{saved}", "--streaming", "--val_fraction", 0.2,
+                      "--output_dir", tmp_path / "run")
+    assert streamed.returncode == 2 and not (tmp_path / "run").exists(), streamed.output
+    assert ("error: --val_fraction 0.2 cannot be used with --streaming: a stream is not split here, its held-out "
+            "split validates (--val_split names it); drop --val_fraction") in streamed.output
     refused(f"hf:{saved}", r"split 'train' has no column 'image' \(--image_column\); its columns: img \(Image\), "
                            r"species \(ClassLabel\)", image_column="image")
     refused(f"hf:{saved}", r"--image_column and --label_column are both 'img'", label_column="img")
@@ -316,6 +326,8 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
 
     only_train = tmp_path / "only_train"
     hf_dataset({"train": (files, labels)}, classes=classes).save_to_disk(only_train)
+    train, val, _, _ = find_splits(f"hf:{only_train}", val_fraction=0.2, seed=42, fraction_typed=True)  # split here
+    assert len(train["files"]) + len(val["files"]) == len(files) and len(val["files"]) == round(0.2 * len(files))
     with pytest.raises(UserError, match=r"has no held-out split \(validation, valid, val, test\); its splits: "
                                         r"'train'\. Name the one to score with --val_split"):
         build_cifar10(f"hf:{only_train}")
