@@ -37,7 +37,9 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     problem = None
     if accelerator.is_main_process:
         try:
+            made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]
             output_dir.mkdir(parents=True, exist_ok=True)
+            _made.extend(made)
             problem = lock_output_dir(output_dir)
         except OSError as error:
             problem = (f"cannot write to --output_dir {output_dir} ({error.strerror}): choose a folder on a writable "
@@ -68,6 +70,7 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
 LOCK_FILE = ".lock"
 LOCK_LEASE_S = 60  # a lock not refreshed for this long (its holder's machine died) may be taken over
 _locks = {}  # the run folders this process holds: {resolved folder: filelock.SoftFileLease}
+_made = []  # the folders this process created for its run folder, deepest first: removed at the end if still empty
 
 
 def lock_output_dir(output_dir):
@@ -125,6 +128,9 @@ def unlock_output_dirs():
     finish_writes(raise_error=False)  # a run that failed: what it handed over is on the disk before the folder is free
     while _locks:
         _locks.popitem()[1].release(force=True)
+    while _made:  # a run that failed before it wrote anything leaves no empty folder behind
+        with suppress(OSError):  # not empty: what a run wrote is never removed
+            _made.pop(0).rmdir()
 
 
 def remove_leftovers(output_dir):

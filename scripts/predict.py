@@ -79,6 +79,9 @@ def main(args):
     model = model if exported else accelerator.prepare_model(model, evaluation_mode=True)
     dataloader = accelerator.prepare(dataloader)
     top_k = min(args.top_k, len(classes))
+    if args.top_k > top_k:
+        accelerator.print(f"warning: --top_k {args.top_k} is more than the model's {top_k} classes: each row lists all "
+                          f"{top_k}")
     found = []  # (index, ok, top-k probabilities, top-k classes) of every image, in input order
     for batch in dataloader:
         top = probabilities(model, preprocess(batch["image"], normalize=(meta["mean"], meta["std"])),

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.checkpoint import resolve_args  # noqa: E402
 from common.data import MicroBatches, build_dataloader, hold_out, preprocess  # noqa: E402
 from common.distributed import build_accelerator  # noqa: E402
-from common.errors import run_main  # noqa: E402
+from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number  # noqa: E402
 from common.hf import add_hf_args, hf_options  # noqa: E402
@@ -61,6 +61,11 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
+    for flag in ("data_dir", "download"):  # else a folder the user meant would be left unread without a word
+        if args.dataset == "digits" and flag in args.typed:
+            raise UserError(f"--{flag} is not used with --dataset digits, scikit-learn's bundled 8x8 digits: drop it, "
+                            "or train on IDX files with --dataset mnist / fashion_mnist (a folder of class folders: "
+                            "train_seedlings.py)")
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
                                     dist_timeout=args.dist_timeout)

@@ -138,14 +138,32 @@ def test_a_bad_flag_in_a_real_run_is_one_line_and_exit_2():
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_digits_with_a_data_dir_or_download_is_refused_not_ignored(tmp_path):
+    for args in (["--data_dir", tmp_path / "photos"], ["--download"]):
+        result = script("train_mnist.py", "--dataset", "digits", *args, "--output_dir", tmp_path / "run")
+        assert_refused(result, f"error: {args[0]} is not used with --dataset digits, scikit-learn's bundled 8x8 "
+                               "digits: drop it, or train on IDX files with --dataset mnist / fashion_mnist")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_refused_after_it_made_its_folder_leaves_none_and_keeps_the_folders_it_found(tmp_path):
+    args = ["--data_dir", tmp_path / "typo"]
+    assert_refused(script("train_seedlings.py", *args, "--output_dir", tmp_path / "new" / "run"), "typo not found")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert_refused(script("train_seedlings.py", *args, "--output_dir", tmp_path / "mine" / "run"), "typo not found")
+    assert list(tmp_path.iterdir()) == [tmp_path / "mine"] and not list((tmp_path / "mine").iterdir())
+
+
 @pytest.mark.slow
 def test_under_a_two_process_launch_a_user_error_is_said_once_at_the_end(tmp_path):
     from conftest import launch
 
     for args, message in ((["--dataset", "mnist", "--data_dir", tmp_path / "typo"], "error: no mnist IDX files found"),
                           (["--dataset", "digits", "--lr", "abc"], "error: argument --lr: must be a number above 0")):
-        result = launch(SCRIPTS / "train_mnist.py", *args, "--output_dir", tmp_path / "run")
+        result = launch(SCRIPTS / "train_mnist.py", *args, "--output_dir", tmp_path / "new" / "run")
         assert result.returncode != 0
+        assert not (tmp_path / "new").exists()  # the folders it made for the run, empty, went with it
         assert result.output.count(message) == 1, result.output
         # torchrun's failure table comes last; our message is its root cause's "traceback" line
         root_cause = result.output.split("Root Cause (first observed failure):")[1]

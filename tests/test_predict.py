@@ -49,6 +49,13 @@ def test_predict_matches_the_best_epochs_evaluation_image_by_image(digits_run, t
     assert [r["class_1"] for r in rows] == [r["prediction"] for r in expected]
     assert np.allclose([float(r["probability_1"]) for r in rows], [float(r["probability"]) for r in expected], atol=2e-6)
     assert np.mean([r["prediction"] == r["label"] for r in expected]) == pytest.approx(meta["value"])
+    # more than the model's classes: every class, said
+    result = predict("--model_dir", digits_run / "best", "--output", tmp_path / "all.csv", "--top_k", 50,
+                     tmp_path / "images" / "0000_label{}.png".format(int(test.labels[0])))
+    assert result.returncode == 0, result.output
+    assert "warning: --top_k 50 is more than the model's 10 classes: each row lists all 10" in result.output
+    header = next(csv.reader(open(tmp_path / "all.csv")))
+    assert header[-2:] == ["class_10", "probability_10"] and len(header) == 21
 
 
 def test_corrupt_or_foreign_weights_get_a_clear_message(digits_run, tmp_path):
