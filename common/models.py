@@ -141,17 +141,23 @@ def timm_config(model, meta):
 
 
 def load_best_model(model_dir):
-    """(model in eval mode, meta) from a best/ folder, a run's folder or a checkpoint (its trainer_state.json);
-    every way it can be wrong is a UserError."""
+    """(model in eval mode, meta) from a best/ folder, a run's folder or a checkpoint (its trainer_state.json), or
+    a file in one of them; every way it can be wrong is a UserError."""
     model_dir = Path(model_dir)
+    wanted = "pass the best/ folder a training run wrote (or the run's folder, or one of its checkpoints)"
+    if model_dir.is_file() and any((model_dir.parent / name).is_file() for name in ("meta.json", "trainer_state.json")):
+        model_dir = model_dir.parent  # best/model.safetensors (or a checkpoint's file): the model of its folder
+    if not model_dir.is_dir():
+        raise UserError(f"--model_dir {model_dir} {'is a file' if model_dir.exists() else 'not found'}: {wanted}")
     if not (model_dir / "meta.json").exists() and (model_dir / "best" / "meta.json").is_file():
         model_dir = model_dir / "best"
     meta_path, weights_path = model_dir / "meta.json", model_dir / "model.safetensors"
     if not meta_path.is_file() and (model_dir / "trainer_state.json").is_file():
         meta_path = model_dir / "trainer_state.json"
     if not meta_path.is_file():
-        raise UserError(f"{meta_path} not found: pass the best/ folder a training run wrote (or the run's folder, "
-                        "or one of its checkpoints)")
+        runs = sorted(str(meta.parent.parent) for meta in model_dir.glob("*/best/meta.json"))  # a folder of runs
+        raise UserError(f"{model_dir} holds no model but the runs {', '.join(runs[:5])}: pass one of them" if runs
+                        else f"{meta_path} not found: {wanted}")
     meta, problem = read_description(meta_path)
     if problem:
         raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "

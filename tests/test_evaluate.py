@@ -116,6 +116,24 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
                                "--data_dir; to score the images there, add --dataset folder")
 
 
+def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_names_them(digits_run, tmp_path):
+    from common.models import load_best_model
+
+    model, meta = load_best_model(digits_run / "best" / "model.safetensors")  # the file a user points at
+    same, same_meta = load_best_model(digits_run / "best")
+    assert meta == same_meta and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                                 same.state_dict().values()))
+    runs = tmp_path / "runs"
+    shutil.copytree(digits_run / "best", runs / "digits" / "best")
+    for given, message in ((runs, f"error: {runs} holds no model but the runs {runs / 'digits'}: pass one of them"),
+                           (tmp_path / "typo", f"error: --model_dir {tmp_path / 'typo'} not found: pass the best/ "
+                                               "folder a training run wrote (or the run's folder, or one of its"),
+                           (digits_run / "metrics.jsonl", f"error: --model_dir {digits_run / 'metrics.jsonl'} is a "
+                                                          "file: pass the best/ folder")):
+        assert message in refused("evaluate.py", "--model_dir", given, "--output_dir", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path):
     """--tta in training: each epoch's evaluation averages the views (said in its line, metrics.jsonl and best/), and
     evaluate.py and predict.py with the same --tta score best/ as the run did."""
