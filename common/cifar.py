@@ -12,7 +12,7 @@ from .data import InMemoryDataset, check_labels, download_dataset
 from .decode_cache import decode_split
 from .errors import UserError
 from .hf import find_hf_splits, is_hf
-from .images import check_classes, list_image_folder
+from .images import archive_note, check_classes, list_image_folder
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -37,7 +37,7 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
             raise UserError(f"no CIFAR-10 found at {root}: it is a split of the ImageFolder tree {whole}, which the "
                             f"script reads whole (train/ to train, the other to test): pass --data_dir {whole}")
         raise UserError(
-            f"no CIFAR-10 found at {root}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
+            f"no CIFAR-10 found at {root}{archive_note(root) if root.is_file() else ''}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
             f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "
             f"{root}/test/<class>/*.jpg (or val/, as scripts/split_dataset.py writes), or --data_dir "
             "hf:NAME_OR_PATH for a Hugging Face dataset. Add --download to fetch the official batches (needs internet)."

@@ -16,13 +16,26 @@ from .errors import UserError
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
+def archive_note(path):
+    """For a --data_dir (or an input) that is a file: " (a zip archive: extract it, then pass the folder it makes)"
+    where the file is an archive, else "" (what a downloaded dataset most often is, before it is unpacked)."""
+    import tarfile
+    import zipfile
+
+    try:
+        kind = "zip" if zipfile.is_zipfile(path) else "tar" if tarfile.is_tarfile(path) else None
+    except OSError:
+        kind = None
+    return f" (a {kind} archive: extract it, then pass the folder it makes)" if kind else ""
+
+
 def list_image_folder(root):
     """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the files that are not images
     and the folders inside a class folder (a class's images are those in its folder itself, as the layout says)."""
     root = Path(root)
     if not root.is_dir():
-        raise UserError(f"{root} {'is not a folder' if root.exists() else 'not found'}: expected a folder of class "
-                        f"folders, {root}/<class>/<image>.png")
+        raise UserError(f"{root} {'is not a folder' + archive_note(root) if root.exists() else 'not found'}: "
+                        f"expected a folder of class folders, {root}/<class>/<image>.png")
     classes = sorted(name for name, kind in folder_entries(root) if kind == "dir")
     if not classes:
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")

@@ -9,7 +9,7 @@ import torch
 from .data import InMemoryDataset, check_labels, download_dataset
 from .decode_cache import decode_split
 from .errors import UserError
-from .images import stratified_split
+from .images import archive_note, stratified_split
 from .hf import find_hf_splits, is_hf
 
 MNIST_CLASSES = [str(digit) for digit in range(10)]
@@ -64,9 +64,12 @@ def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_
     if found is None and download:
         download_dataset(folder, root)
         found = root / folder / "raw"
+    if found is None and root.is_file() and _find_idx(root.parent, IDX_FILES["train_images"]):
+        raise UserError(f"--data_dir {root} is a file, and its folder holds the IDX files: pass --data_dir "
+                        f"{root.parent}")
     if found is None:
         raise UserError(
-            f"no {name} IDX files found; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: a folder "
+            f"no {name} IDX files found{archive_note(root) if root.is_file() else ''}; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: a folder "
             "with train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
             f"(each optionally .gz), or torchvision's {root}/{folder}/raw/. Add --download to fetch them "
             "(needs internet)" + (f"; on Debian: apt-get install dataset-fashion-mnist, then --data_dir "

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ fro
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, path  # noqa: E402
 from common.hf import hf_images, hf_options, is_hf  # noqa: E402
-from common.images import read_image  # noqa: E402
+from common.images import archive_note, read_image  # noqa: E402
 from common.outputs import write_atomically  # noqa: E402
 from common.tools import check_output_file, find_images  # noqa: E402
 
@@ -43,7 +43,7 @@ def mean_std(paths):
         try:
             image = np.asarray(read_image(file), dtype=np.float64).reshape(-1, 3) / 255.0
         except (OSError, ValueError) as error:
-            raise UserError(f"cannot read image {file}: {error}") from None
+            raise UserError(f"cannot read image {file}: {error}{archive_note(file)}") from None
         total += image.sum(0)
         squares += (image * image).sum(0)
         pixels += len(image)

@@ -138,6 +138,32 @@ def test_a_bad_flag_in_a_real_run_is_one_line_and_exit_2():
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_a_dataset_still_in_its_archive_or_a_file_of_it_as_data_dir_says_what_to_pass(tmp_path):
+    seedlings = ODD_IMAGES.parent / "seedlings"
+    archives = {"zip": shutil.make_archive(tmp_path / "plants", "zip", seedlings),
+                "tar": shutil.make_archive(tmp_path / "plants", "gztar", seedlings)}
+    for kind, archive in archives.items():
+        note = f"{archive} is not a folder (a {kind} archive: extract it, then pass the folder it makes)"
+        with pytest.raises(UserError, match=re.escape(note)):
+            find_splits(archive, val_fraction=0.3, seed=42)
+    with pytest.raises(UserError, match=re.escape(f"no CIFAR-10 found at {archives['zip']} (a zip archive: extract")):
+        build_cifar10(archives["zip"])
+    with pytest.raises(UserError, match=re.escape("no mnist IDX files found (a zip archive: extract it, then pass")):
+        build_mnist(archives["zip"])
+    with pytest.raises(UserError, match=r"^.*README\.md is not a folder: expected a folder of class folders"):
+        find_splits(REPO / "README.md", val_fraction=0.3, seed=42)  # not an archive: no note
+    result = script("compute_mean_std.py", archives["zip"], "--output", tmp_path / "mean_std.json")
+    assert_refused(result, f"cannot read image {archives['zip']}: cannot identify image file")
+    assert "(a zip archive: extract it, then pass the folder it makes)" in result.output
+    # one of the IDX files themselves: their folder
+    (tmp_path / "idx").mkdir()
+    write_idx(tmp_path / "idx" / "train-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
+    with pytest.raises(UserError, match=re.escape(f"--data_dir {tmp_path / 'idx' / 'train-images-idx3-ubyte.gz'} "
+                                                  f"is a file, and its folder holds the IDX files: pass --data_dir "
+                                                  f"{tmp_path / 'idx'}")):
+        build_mnist(tmp_path / "idx" / "train-images-idx3-ubyte.gz")
+
+
 def test_digits_with_a_data_dir_or_download_is_refused_not_ignored(tmp_path):
     for args in (["--data_dir", tmp_path / "photos"], ["--download"]):
         result = script("train_mnist.py", "--dataset", "digits", *args, "--output_dir", tmp_path / "run")
