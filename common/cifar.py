@@ -32,12 +32,13 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
         download_dataset("CIFAR10", root)
         found = _find_cifar10(root)
     if found is None:
+        archive = archive_note(root) if root.is_file() else ""  # a zip of the JPEG tree, say
         whole = root.parent  # --data_dir DIR/train, one level too deep
         if root.name in ("train", "test", "val") and _find_cifar10(whole) == ("folder", whole):
             raise UserError(f"no CIFAR-10 found at {root}: it is a split of the ImageFolder tree {whole}, which the "
                             f"script reads whole (train/ to train, the other to test): pass --data_dir {whole}")
         raise UserError(
-            f"no CIFAR-10 found at {root}{archive_note(root) if root.is_file() else ''}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
+            f"no CIFAR-10 found at {root}{archive}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
             f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "
             f"{root}/test/<class>/*.jpg (or val/, as scripts/split_dataset.py writes), or --data_dir "
             "hf:NAME_OR_PATH for a Hugging Face dataset. Add --download to fetch the official batches (needs internet)."

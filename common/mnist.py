@@ -68,8 +68,9 @@ def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_
         raise UserError(f"--data_dir {root} is a file, and its folder holds the IDX files: pass --data_dir "
                         f"{root.parent}")
     if found is None:
+        archive = archive_note(root) if root.is_file() else ""
         raise UserError(
-            f"no {name} IDX files found{archive_note(root) if root.is_file() else ''}; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: a folder "
+            f"no {name} IDX files found{archive}; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: a folder "
             "with train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
             f"(each optionally .gz), or torchvision's {root}/{folder}/raw/. Add --download to fetch them "
             "(needs internet)" + (f"; on Debian: apt-get install dataset-fashion-mnist, then --data_dir "
