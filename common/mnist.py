@@ -72,8 +72,8 @@ def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_
         raise UserError(
             f"no {name} IDX files found{archive}; tried {', '.join(str(c) for c in candidates)}. Accepted layouts: "
             "a folder with train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
-            f"t10k-labels-idx1-ubyte (each optionally .gz), or torchvision's {root}/{folder}/raw/. Add --download to fetch them "
-            "(needs internet)" + (f"; on Debian: apt-get install dataset-fashion-mnist, then --data_dir "
+            f"t10k-labels-idx1-ubyte (each optionally .gz), or torchvision's {root}/{folder}/raw/. Add --download "
+            "to fetch them (needs internet)" + (f"; on Debian: apt-get install dataset-fashion-mnist, then --data_dir "
                                   f"{DEBIAN_FASHION_MNIST}." if name == "fashion_mnist" else ".")
         )
     arrays, paths = {}, {}
