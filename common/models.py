@@ -35,9 +35,7 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
     else:
         import timm  # imported here: the two models above do not need it
 
-        if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
-            raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as "
-                            "resnet50")
+        check_model_name(name)
         start = {} if identity_start else {"zero_init_last": False}  # timm's ResNets start as the identity too
         try:
             model = timm.create_model(name, num_classes=num_classes, in_chans=in_chans, **start)
@@ -49,6 +47,17 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
         if image_size:
             check_image_size(model, name, in_chans=in_chans, image_size=image_size)
     return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def check_model_name(name):
+    """A --model that `build_model` does not know is refused: called before any image is read, so that a typo
+    does not wait for the image check and the decode of a whole dataset."""
+    if name not in ("resnet18_cifar", "mnist_convnet"):
+        import timm
+
+        if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
+            raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as "
+                            "resnet50")
 
 
 def check_image_size(model, name, *, in_chans, image_size):

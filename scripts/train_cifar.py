@@ -39,7 +39,7 @@ from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability  # noqa: E402
 from common.hf import add_hf_args, hf_options  # noqa: E402
-from common.models import build_ema, build_model, describe_model  # noqa: E402
+from common.models import build_ema, build_model, check_model_name, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -78,6 +78,7 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
+    check_model_name(args.model)  # before the images are read
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
                                     dist_timeout=args.dist_timeout)

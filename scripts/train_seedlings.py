@@ -54,7 +54,7 @@ from common.folders import (balanced_class_weights, balanced_sampling_weights, b
                             find_splits, random_resized_crop, read_mean_std, training_cache)
 from common.hf import add_hf_args, find_hf_stream, hf_options  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
-from common.models import build_ema, build_model, describe_model, load_pretrained  # noqa: E402
+from common.models import build_ema, build_model, check_model_name, describe_model, load_pretrained  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -120,6 +120,7 @@ def check_streaming(args):
 def main(args):
     # --resume: the checkpoint's arguments, but for the loading flags
     args, checkpoint = resolve_args(args, parse_args=parse_args)
+    check_model_name(args.model)  # before the images are read
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "

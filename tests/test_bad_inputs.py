@@ -164,6 +164,15 @@ def test_a_dataset_still_in_its_archive_or_a_file_of_it_as_data_dir_says_what_to
         build_mnist(tmp_path / "idx" / "train-images-idx3-ubyte.gz")
 
 
+def test_an_unknown_model_is_refused_before_any_image_is_read(tmp_path):
+    data = shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data")
+    for name in ("train_seedlings.py", "train_cifar.py"):
+        result = script(name, "--data_dir", data, "--model", "resnet19", "--output_dir", tmp_path / "run")
+        assert_refused(result, "error: unknown model 'resnet19': use resnet18_cifar, mnist_convnet or a timm name "
+                               "such as resnet50")
+    assert not list(data.glob(".checked*")) and not (tmp_path / "run").exists()  # no image check, no decode
+
+
 def test_digits_with_a_data_dir_or_download_is_refused_not_ignored(tmp_path):
     for args in (["--data_dir", tmp_path / "photos"], ["--download"]):
         result = script("train_mnist.py", "--dataset", "digits", *args, "--output_dir", tmp_path / "run")
