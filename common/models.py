@@ -49,15 +49,26 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def check_model_name(name):
-    """A --model that `build_model` does not know is refused: called before any image is read, so that a typo
-    does not wait for the image check and the decode of a whole dataset."""
-    if name not in ("resnet18_cifar", "mnist_convnet"):
-        import timm
+def check_model_name(name, *, image_size=None):
+    """A --model that `build_model` does not know, or (`image_size`) a timm model made for one input size only that
+    is given another, is refused: called before any image is read, so that the mistake does not wait for the image
+    check and the decode of a whole dataset (`check_image_size` tries the model itself, once it is built)."""
+    if name in ("resnet18_cifar", "mnist_convnet"):
+        return
+    import timm
+    from timm.models import get_pretrained_cfg
 
-        if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
-            raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as "
-                            "resnet50")
+    if not timm.is_model(name.split(".")[0]):  # "resnet50" or a tagged "resnet50.a1_in1k"
+        raise UserError(f"unknown model {name!r}: use resnet18_cifar, mnist_convnet or a timm name such as resnet50")
+    config = get_pretrained_cfg(name, allow_unregistered=True)
+    if image_size and config and config.fixed_input_size and tuple(config.input_size[1:]) != (image_size,) * 2:
+        raise UserError(_fixed_size(name, config.input_size[1:], image_size))
+
+
+def _fixed_size(name, size, image_size):
+    return (f"--model {name} takes only {size[0]}x{size[1]} images and this run gives it {image_size}x{image_size}: "
+            f"choose a model that takes any size (a CNN such as resnet50), or train at {size[0]} (train_seedlings.py: "
+            f"--image_size {size[0]})")
 
 
 def check_image_size(model, name, *, in_chans, image_size):
@@ -69,9 +80,7 @@ def check_image_size(model, name, *, in_chans, image_size):
             model.eval()(torch.zeros(1, in_chans, image_size, image_size))
     except (AssertionError, RuntimeError, ValueError) as error:
         if model.pretrained_cfg.get("fixed_input_size"):
-            raise UserError(f"--model {name} takes only {size[0]}x{size[1]} images and this run gives it {image_size}x"
-                            f"{image_size}: choose a model that takes any size (a CNN such as resnet50), or train at "
-                            f"{size[0]} (train_seedlings.py: --image_size {size[0]})") from None
+            raise UserError(_fixed_size(name, size, image_size)) from None
         raise UserError(f"--model {name} cannot take {image_size}x{image_size} images ({str(error).splitlines()[0]}): "
                         f"choose another model, or train on larger images (it was made for {size[0]}; "
                         "train_seedlings.py: --image_size)") from None
@@ -246,9 +255,23 @@ def check_weights(model, weights_path, *, expected):
                         "architecture or class count; use the meta.json written beside them.")
 
 
-def load_pretrained(model, name, source):
-    """Load ImageNet weights into a fresh timm `model` from `source`, a weights file (safetensors or a state dict)
-    or `hub` (timm's download); tensors whose shape differs (the classifier) are left out. Returns a line to print."""
+def load_pretrained(model, name, source, state_dict=None):
+    """Load ImageNet weights into a fresh timm `model` from `source` (`read_pretrained`; `state_dict`: what it read
+    already); tensors whose shape differs (the classifier) are left out. Returns a line to print."""
+    state_dict = read_pretrained(name, source) if state_dict is None else state_dict
+    own = model.state_dict()
+    fitting = {k: v for k, v in state_dict.items() if k in own and v.shape == own[k].shape}
+    if not fitting:
+        raise UserError(f"--pretrained {source}: none of its tensors fit {name}; are they weights for another model?")
+    model.load_state_dict(fitting, strict=False)
+    left_out = sorted(own.keys() - fitting.keys())
+    return (f"pretrained weights from {source}: {len(fitting)} of {len(own)} tensors loaded"
+            + (f"; left out (new for this task): {', '.join(left_out)}" if left_out else ""))
+
+
+def read_pretrained(name, source):
+    """The state dict of `source`, a weights file (safetensors or a state dict) or `hub` (timm's download of
+    `name`'s ImageNet weights): read before the images are, so that a wrong file stops the run at once."""
     if source == "hub":
         import timm
 
@@ -278,14 +301,7 @@ def load_pretrained(model, name, source):
                             "torch.save(model.state_dict(), 'weights.pth'), and pass that file") from None
         except Exception as error:  # any unreadable file: one message, not a traceback
             raise UserError(f"--pretrained {source}: not a readable weights file ({error})") from None
-    own = model.state_dict()
-    fitting = {k: v for k, v in state_dict.items() if k in own and v.shape == own[k].shape}
-    if not fitting:
-        raise UserError(f"--pretrained {source}: none of its tensors fit {name}; are they weights for another model?")
-    model.load_state_dict(fitting, strict=False)
-    left_out = sorted(own.keys() - fitting.keys())
-    return (f"pretrained weights from {source}: {len(fitting)} of {len(own)} tensors loaded"
-            + (f"; left out (new for this task): {', '.join(left_out)}" if left_out else ""))
+    return state_dict
 
 
 def build_resnet18_cifar(*, num_classes=10, in_chans=3, identity_start=True):

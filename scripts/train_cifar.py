@@ -78,7 +78,7 @@ def parse_args(argv=None):
 
 def main(args):
     args, checkpoint = resolve_args(args, parse_args=parse_args)  # --resume: the checkpoint's arguments
-    check_model_name(args.model)  # before the images are read
+    check_model_name(args.model, image_size=32)  # before the images are read
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
                                     dist_timeout=args.dist_timeout)

@@ -54,7 +54,8 @@ from common.folders import (balanced_class_weights, balanced_sampling_weights, b
                             find_splits, random_resized_crop, read_mean_std, training_cache)
 from common.hf import add_hf_args, find_hf_stream, hf_options  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
-from common.models import build_ema, build_model, check_model_name, describe_model, load_pretrained  # noqa: E402
+from common.models import (build_ema, build_model, check_model_name, describe_model, load_pretrained,  # noqa: E402
+                           read_pretrained)
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -120,7 +121,8 @@ def check_streaming(args):
 def main(args):
     # --resume: the checkpoint's arguments, but for the loading flags
     args, checkpoint = resolve_args(args, parse_args=parse_args)
-    check_model_name(args.model)  # before the images are read
+    check_model_name(args.model, image_size=args.image_size)  # before the images are read, as --pretrained is
+    pretrained = read_pretrained(args.model, args.pretrained) if args.pretrained and not checkpoint else None
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
@@ -191,8 +193,8 @@ def main(args):
     # model and optimisation
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
                         image_size=args.image_size)
-    if args.pretrained and not checkpoint:
-        accelerator.print(load_pretrained(model, args.model, args.pretrained))
+    if pretrained is not None:
+        accelerator.print(load_pretrained(model, args.model, args.pretrained, pretrained))
     sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False
     if args.sync_bn and not sync_bn:
         accelerator.print("--sync_bn ignored: SyncBatchNorm needs CUDA and more than one process")

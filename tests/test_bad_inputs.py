@@ -164,12 +164,19 @@ def test_a_dataset_still_in_its_archive_or_a_file_of_it_as_data_dir_says_what_to
         build_mnist(tmp_path / "idx" / "train-images-idx3-ubyte.gz")
 
 
-def test_an_unknown_model_is_refused_before_any_image_is_read(tmp_path):
+def test_a_wrong_model_or_pretrained_file_is_refused_before_any_image_is_read(tmp_path):
     data = shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data")
-    for name in ("train_seedlings.py", "train_cifar.py"):
+    for name, size in (("train_seedlings.py", ["--image_size", 64]), ("train_cifar.py", [])):  # CIFAR-10: 32
         result = script(name, "--data_dir", data, "--model", "resnet19", "--output_dir", tmp_path / "run")
         assert_refused(result, "error: unknown model 'resnet19': use resnet18_cifar, mnist_convnet or a timm name "
                                "such as resnet50")
+        result = script(name, "--data_dir", data, "--model", "vit_tiny_patch16_224", *size, "--output_dir",
+                        tmp_path / "run")
+        assert_refused(result, "error: --model vit_tiny_patch16_224 takes only 224x224 images and this run gives it "
+                               f"{size[-1] if size else 32}x")
+    result = script("train_seedlings.py", "--data_dir", data, "--pretrained", tmp_path / "resnet50.pth",
+                    "--output_dir", tmp_path / "run")
+    assert_refused(result, f"error: --pretrained {tmp_path / 'resnet50.pth'}: no such file")
     assert not list(data.glob(".checked*")) and not (tmp_path / "run").exists()  # no image check, no decode
 
 
