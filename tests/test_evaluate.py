@@ -121,8 +121,8 @@ def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_na
 
     model, meta = load_best_model(digits_run / "best" / "model.safetensors")  # the file a user points at
     same, same_meta = load_best_model(digits_run / "best")
-    assert meta == same_meta and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                                                 same.state_dict().values()))
+    pairs = zip(model.state_dict().values(), same.state_dict().values())
+    assert meta == same_meta and all(torch.equal(a, b) for a, b in pairs)
     runs = tmp_path / "runs"
     shutil.copytree(digits_run / "best", runs / "digits" / "best")
     for given, message in ((runs, f"error: {runs} holds no model but the runs {runs / 'digits'}: pass one of them"),

@@ -51,7 +51,7 @@ def test_predict_matches_the_best_epochs_evaluation_image_by_image(digits_run, t
     assert np.mean([r["prediction"] == r["label"] for r in expected]) == pytest.approx(meta["value"])
     # more than the model's classes: every class, said
     result = predict("--model_dir", digits_run / "best", "--output", tmp_path / "all.csv", "--top_k", 50,
-                     tmp_path / "images" / "0000_label{}.png".format(int(test.labels[0])))
+                     tmp_path / "images" / f"0000_label{int(test.labels[0])}.png")
     assert result.returncode == 0, result.output
     assert "warning: --top_k 50 is more than the model's 10 classes: each row lists all 10" in result.output
     header = next(csv.reader(open(tmp_path / "all.csv")))
