@@ -5,6 +5,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from .distributed import cpu_computes_bf16
 from .errors import UserError
 from .images import IMAGE_EXTENSIONS, entry_kind, is_hidden, read_image
+from .outputs import remove
 
 
 def find_images(inputs):
@@ -92,3 +94,25 @@ def link_or_copy(source, target):
         os.link(source, target)
     except OSError:  # another filesystem
         shutil.copy2(source, target)
+
+
+def split_once(data_dir, work_dir):
+    """(WORK_DIR/split, whether it was made now): DATA_DIR's train/ and val/, or its class folders split 70/30 as
+    train_seedlings.py splits them (scripts/split_dataset.py), as hard links where the filesystem allows. Made once
+    for a dataset: WORK_DIR/source.txt names the one it holds, and a split of another --data_dir is made again."""
+    data_dir, work_dir = Path(data_dir), Path(work_dir)
+    split, source = work_dir / "split", work_dir / "source.txt"
+    if source.is_file() and source.read_text() == str(data_dir.resolve()) and split.is_dir():
+        return split, False
+    remove(source)
+    remove(split)
+    if (data_dir / "train").is_dir() and (data_dir / "val").is_dir():
+        for part in ("train", "val"):
+            shutil.copytree(data_dir / part, split / part, copy_function=link_or_copy)
+    else:
+        done = subprocess.run([sys.executable, Path(__file__).parents[1] / "scripts" / "split_dataset.py", data_dir,
+                               split, "--link"], capture_output=True, text=True)
+        if done.returncode:
+            raise UserError(f"could not split {data_dir}: {done.stderr.strip() or done.stdout.strip()}")
+    source.write_text(str(data_dir.resolve()))
+    return split, True

@@ -51,8 +51,8 @@ RECIPES = {
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("recipes", nargs="*", choices=[[], *RECIPES], default=[],
-                        help=f"default: all of {', '.join(RECIPES)}")
+    parser.add_argument("recipes", nargs="*", default=[], metavar="RECIPE",
+                        help=f"{', '.join(RECIPES)} (default: all of them)")
     parser.add_argument("--cifar_dir", type=path, default="data/cifar10",
                         help="the CIFAR-10 JPEGs as <class>/*.jpg or train/<class>/*.jpg (default: %(default)s)")
     parser.add_argument("--fashion_dir", type=path, default="/usr/share/datasets/fashion-mnist",
@@ -66,7 +66,11 @@ def parse_args(argv=None):
                         help="write the measured accuracies into --record_file instead of comparing with it")
     parser.add_argument("--record_file", type=path, default=None,
                         help="the recorded accuracies (default: scripts/accuracy_record.json)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [recipe for recipe in args.recipes if recipe not in RECIPES]
+    if unknown:  # checked here: argparse checks a '*' positional's default [] against its choices too
+        parser.error(f"argument RECIPE: invalid choice: {unknown[0]!r} (choose from {', '.join(RECIPES)})")
+    return args
 
 
 def cifar_subset(cifar_dir, work_dir):

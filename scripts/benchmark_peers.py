@@ -33,7 +33,6 @@ Ours runs cold: its image check and decode cache beside the data are removed bef
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, positive_int, seed  # noqa: E402
 from common.images import folder_entries, read_image  # noqa: E402
 from common.outputs import check_not_inside, remove, write_atomically  # noqa: E402
-from common.tools import check_output_file, describe_cpu, link_or_copy  # noqa: E402
+from common.tools import check_output_file, describe_cpu, split_once  # noqa: E402
 
 TASKS = {"seedlings": {"epochs": 5, "processes": 1, "target": 0.60},
          "fashion_mnist": {"epochs": 2, "processes": 2, "target": 0.84}}
@@ -97,18 +96,10 @@ def parse_args(argv=None):
 def prepare_seedlings(data_dir, work_dir):
     """(the train/val split as class folders, the same split as cv_example.py's flat JPEG folders), made once in
     `work_dir` from a folder of class folders (split 70/30 as train_seedlings.py does) or a train/ + val/ tree."""
-    split, flat, source = work_dir / "split", work_dir / "flat", work_dir / "source.txt"
-    if not source.is_file() or source.read_text() != str(Path(data_dir).resolve()):  # another dataset's, or none
-        remove(split)
+    split, made = split_once(data_dir, work_dir)
+    flat = work_dir / "flat"
+    if made or not flat.is_dir():
         remove(flat)
-        if (Path(data_dir) / "train").is_dir() and (Path(data_dir) / "val").is_dir():
-            for part in ("train", "val"):
-                shutil.copytree(Path(data_dir) / part, split / part, copy_function=link_or_copy)
-        else:
-            done = subprocess.run([sys.executable, REPO / "scripts" / "split_dataset.py", data_dir, split, "--link"],
-                                  capture_output=True, text=True)
-            if done.returncode:
-                raise UserError(f"could not split {data_dir}: {done.stderr.strip() or done.stdout.strip()}")
 
         def write(tmp):
             for part in ("train", "val"):
@@ -120,7 +111,6 @@ def prepare_seedlings(data_dir, work_dir):
                             tmp / part / f"{label.replace('_', '-')}_{n}.jpg", quality=95)
 
         write_atomically(flat, write)
-        source.write_text(str(Path(data_dir).resolve()))
     return split, flat
 
 

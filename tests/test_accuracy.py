@@ -50,7 +50,8 @@ def test_accuracy_guard_verdicts():
     guard = load_script("benchmark_accuracy.py")
     # no recipe named is all four (docs/results.md's command; it was refused as "invalid choice: '==SUPPRESS=='")
     assert guard.parse_args(["--record"]).recipes == [] and guard.parse_args(["digits"]).recipes == ["digits"]
-    assert "invalid choice: 'mnist'" in refused("benchmark_accuracy.py", "mnist")
+    assert ("argument RECIPE: invalid choice: 'mnist' (choose from cifar10, fashion_mnist, digits, seedlings)"
+            in refused("benchmark_accuracy.py", "digits", "mnist"))
     verdict = guard.verdict
     assert verdict([0.50, 0.51, 0.49], [0.50, 0.50, 0.51])[0]
     assert verdict([0.49], [0.50, 0.51])[0]  # within 2 points

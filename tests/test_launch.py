@@ -220,6 +220,18 @@ def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(t
     assert runs[4]["images_per_s"] > 0 and 0 <= runs[4]["val_accuracy"] <= 1
     for path in ("files, workers", "streamed"):
         assert re.search(rf"\| {path} \| hf \| [\d.]+ \([\d.]+\) \| [\d.]+ \|", result.output)
+    assert (tmp_path / "source.txt").read_text() == str(seedlings.resolve())
+    # a user's mistake after -- is train_seedlings.py's own message; another --data_dir is split again, not the last
+    other = shutil.copytree(seedlings, tmp_path / "other_data", ignore=shutil.ignore_patterns(".checked*", "Maize"))
+    failed = script("benchmark_hf.py", "--data_dir", other, "--work_dir", tmp_path, "--", "--model", "resnet19")
+    assert failed.returncode == 2 and "Traceback" not in failed.output, failed.output
+    assert f"error: train_seedlings.py --data_dir {tmp_path / 'split'} --model resnet19" in failed.output
+    assert "error: unknown model 'resnet19'" in failed.output
+    assert (tmp_path / "source.txt").read_text() == str(other.resolve())
+    assert not (tmp_path / "split" / "train" / "Maize").exists()
+    missing = script("benchmark_hf.py", "--data_dir", tmp_path / "typo", "--work_dir", tmp_path / "w2")
+    assert missing.returncode == 2 and "Traceback" not in missing.output, missing.output
+    assert f"error: could not split {tmp_path / 'typo'}: error: {tmp_path / 'typo'} not found" in missing.output
 
 
 SHARED = REPO.parent / "shared"  # the peers' scripts live beside the repository, never in it
