@@ -204,6 +204,20 @@ def check_not_inside(output, inputs, *, flag):
                             f"(and read as images by the next run). Choose a place outside {item}.")
 
 
+def check_ours(folder, *, marker, flag):
+    """A folder a tool replaces or empties whole (a work folder, a prepared one) must be absent, empty, or hold
+    `marker`, the file that tool writes into what it makes: a folder of the user's, named by mistake, is refused,
+    never deleted."""
+    folder = Path(folder)
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if not folder.is_dir():
+        raise UserError(f"{flag} {folder} is a file: choose a folder (it is created if missing)")
+    if not (folder / marker).exists() and any(folder.iterdir()):
+        raise UserError(f"{flag} {folder} holds files this tool did not write (no {marker}), which it would replace: "
+                        "choose a new folder (it is created), or empty that one yourself")
+
+
 # ---- the one writer ----
 
 class WriteFailed(UserError):

@@ -96,16 +96,23 @@ def link_or_copy(source, target):
         shutil.copy2(source, target)
 
 
-def split_once(data_dir, work_dir):
+def split_once(data_dir, work_dir, *, derived=()):
     """(WORK_DIR/split, whether it was made now): DATA_DIR's train/ and val/, or its class folders split 70/30 as
     train_seedlings.py splits them (scripts/split_dataset.py), as hard links where the filesystem allows. Made once
-    for a dataset: WORK_DIR/source.txt names the one it holds, and a split of another --data_dir is made again."""
+    for a dataset: WORK_DIR/source.txt names the one it holds, and a split of another --data_dir is made again,
+    with the `derived` folders of WORK_DIR made from it removed. A split/ (or derived folder) that source.txt does
+    not vouch for is the user's: refused, never removed."""
     data_dir, work_dir = Path(data_dir), Path(work_dir)
     split, source = work_dir / "split", work_dir / "source.txt"
     if source.is_file() and source.read_text() == str(data_dir.resolve()) and split.is_dir():
         return split, False
-    remove(source)
-    remove(split)
+    ours = [split, *(work_dir / name for name in derived)]
+    for folder in ours if not source.is_file() else ():  # no split of ours there: a split/ is the user's
+        if folder.exists() or folder.is_symlink():
+            raise UserError(f"--work_dir {work_dir} holds {folder.name}/, which this tool did not make (no "
+                            f"{source.name} beside it) and would replace: choose another --work_dir")
+    for item in (source, *ours):
+        remove(item)
     if (data_dir / "train").is_dir() and (data_dir / "val").is_dir():
         for part in ("train", "val"):
             shutil.copytree(data_dir / part, split / part, copy_function=link_or_copy)

@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path  # noqa: E402
 from common.images import convert_image  # noqa: E402
-from common.outputs import check_not_inside, remove, write_atomically  # noqa: E402
+from common.outputs import check_not_inside, check_ours, remove, write_atomically  # noqa: E402
 from common.tools import describe_cpu  # noqa: E402
 
 # train_cifar.py's candidate recipes for one GPU (--preset, --variant); none is settled yet. The first mirrors
@@ -95,6 +95,7 @@ REFERENCE_FLAGS = "--bf16"
 # stage leaves the last ones less time, or none (skipped)
 BUDGET_S = {"setup": 60, "reference": 110, "ours_cold": 150, "ours_warm": 130, "ours_variant": 130, "seedlings": 130}
 MIN_STAGE_S = 20  # a stage with less time left is skipped
+WORK_MARKER = ".bench-gpu-work"  # in the --work_dir a run made: the next run may empty it
 # --smoke: images per class, and each stage's flags (appended: a later flag wins; ours drops --compile and the
 # recipe's model)
 SMOKE = {"cifar_per_class": 30, "seedlings_per_class": 8,
@@ -209,6 +210,7 @@ def check_shared(shared):
 def prepare(args):
     check_shared(args.shared)
     shared, bench_dir = Path(args.shared), Path(args.bench_dir)
+    check_ours(bench_dir, marker="manifest.json", flag="--bench_dir")  # replaced whole below
     per_class = (SMOKE["cifar_per_class"], SMOKE["seedlings_per_class"]) if args.smoke else (None, None)
     manifest, tree = {}, repository_bytes()  # the repository travels too (counted before the temporary folder)
 
@@ -462,8 +464,10 @@ def run(args):
         raise UserError("--device cuda: this machine has no GPU that torch sees (a CPU check: --smoke --device cpu)")
     for folder, flag in ((out, "--out"), (work, "--work_dir")):
         check_not_inside(folder, [bench_dir], flag=flag)  # what is in --bench_dir travels to the device
+    check_ours(work, marker=WORK_MARKER, flag="--work_dir")  # emptied: a user's folder is refused, not deleted
     remove(work)
     work.mkdir(parents=True)
+    (work / WORK_MARKER).touch()
     out.mkdir(parents=True, exist_ok=True)
     ctx = {"bench_dir": bench_dir, "out": out, "work": work, "smoke": args.smoke, "device": args.device,
            "preset": args.preset, "variant": args.variant,

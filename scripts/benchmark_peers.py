@@ -96,10 +96,9 @@ def parse_args(argv=None):
 def prepare_seedlings(data_dir, work_dir):
     """(the train/val split as class folders, the same split as cv_example.py's flat JPEG folders), made once in
     `work_dir` from a folder of class folders (split 70/30 as train_seedlings.py does) or a train/ + val/ tree."""
-    split, made = split_once(data_dir, work_dir)
+    split, made = split_once(data_dir, work_dir, derived=["flat"])
     flat = work_dir / "flat"
     if made or not flat.is_dir():
-        remove(flat)
 
         def write(tmp):
             for part in ("train", "val"):

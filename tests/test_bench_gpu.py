@@ -65,6 +65,15 @@ def test_prepare_refuses_a_folder_too_large_to_carry_and_a_missing_or_unpatched_
                      r"carries \(largest", error)
     assert len(error.strip().splitlines()) == 1 and (bench / "manifest.json").read_text() == before  # kept whole
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder beside it
+    # a folder of the user's given as --bench_dir (prepare replaces its own whole): refused, kept
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    for given, message in ((tmp_path / "mine", "holds files this tool did not write (no manifest.json), which it "
+                                               "would replace: choose a new folder"),
+                           (tmp_path / "mine" / "notes.txt", "is a file: choose a folder")):
+        error = refused("bench_gpu.py", "prepare", "--shared", shared, "--smoke", "--bench_dir", given)
+        assert f"error: --bench_dir {given} {message}" in error
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
     (shared / "peers" / "cv_example.py").write_text("# the example as published\n")
     assert "cv_example.py has no PATCH lines: apply peers/cv_example.patch" in refused("bench_gpu.py", *prepare)
     (shared / "peers" / "timm_train.py").unlink()
@@ -85,6 +94,12 @@ def test_run_refuses_a_folder_not_prepared_or_prepared_for_a_smoke_run(tmp_path)
     error = refused("bench_gpu.py", "run", "--bench_dir", tmp_path / "bench", "--smoke", "--device", "cpu",
                     "--out", tmp_path / "out", "--work_dir", tmp_path / "bench" / "work")
     assert "--work_dir" in error and "is inside the input" in error  # it would travel to the device
+    (tmp_path / "mine").mkdir()  # a folder of the user's as --work_dir, which a run empties first: refused, kept
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    error = refused("bench_gpu.py", "run", "--bench_dir", tmp_path / "bench", "--smoke", "--device", "cpu",
+                    "--out", tmp_path / "out", "--work_dir", tmp_path / "mine")
+    assert f"--work_dir {tmp_path / 'mine'} holds files this tool did not write (no .bench-gpu-work)" in error
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
 
 
 def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path):

@@ -232,6 +232,12 @@ def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(t
     missing = script("benchmark_hf.py", "--data_dir", tmp_path / "typo", "--work_dir", tmp_path / "w2")
     assert missing.returncode == 2 and "Traceback" not in missing.output, missing.output
     assert f"error: could not split {tmp_path / 'typo'}: error: {tmp_path / 'typo'} not found" in missing.output
+    (tmp_path / "mine" / "split").mkdir(parents=True)  # a split of the user's in the --work_dir named: kept
+    (tmp_path / "mine" / "split" / "notes.txt").write_text("mine")
+    theirs = script("benchmark_hf.py", "--data_dir", seedlings, "--work_dir", tmp_path / "mine")
+    assert theirs.returncode == 2 and (tmp_path / "mine" / "split" / "notes.txt").read_text() == "mine"
+    assert (f"error: --work_dir {tmp_path / 'mine'} holds split/, which this tool did not make (no source.txt beside "
+            "it) and would replace: choose another --work_dir") in theirs.output
 
 
 SHARED = REPO.parent / "shared"  # the peers' scripts live beside the repository, never in it
