@@ -99,21 +99,26 @@ def main(args):
     program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT], dynamo=True,
                                 dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
     output = Path(args.output)
-    write_atomically(output, lambda tmp: program.save(str(tmp)))
     # best/meta.json as it is (common.models.describe_model owns its fields), and how to feed the ONNX graph
     description = meta | {"format": "onnx", "input": INPUT, "output": OUTPUT,
                           "preprocessing": describe_preprocessing(meta)}
-
     images = ImageFiles(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
                         image_size=meta["image_size"])
-    worst, disagree, count = compare(model, OnnxModel(output), images, meta)
-    if not count or worst > args.tolerance or disagree:
-        output.unlink()
-        problem = ("none of --check_images could be read" if not count else
-                   f"on {count} images the largest logit difference is {worst:.2e} (tolerance {args.tolerance:g}) "
-                   f"and {disagree} top-1 classes differ")
-        raise UserError(f"the export does not match the PyTorch model: {problem}; nothing was kept. Check the model "
-                        "with predict.py, or raise --tolerance if the difference is acceptable")
+
+    def save_checked(tmp):  # checked before it replaces anything: a failed export leaves an earlier one in place
+        program.save(str(tmp))
+        checked[:] = compare(model, OnnxModel(tmp), images, meta)
+        worst, disagree, count = checked
+        if not count or worst > args.tolerance or disagree:
+            problem = ("none of --check_images could be read" if not count else
+                       f"on {count} images the largest logit difference is {worst:.2e} (tolerance "
+                       f"{args.tolerance:g}) and {disagree} top-1 classes differ")
+            raise UserError(f"the export does not match the PyTorch model: {problem}; nothing was written. Check the "
+                            "model with predict.py, or raise --tolerance if the difference is acceptable")
+
+    checked = []
+    write_atomically(output, save_checked)
+    worst, disagree, count = checked
     write_atomically(description_path(output), lambda tmp: tmp.write_text(json.dumps(description, indent=2)))
     print(f"exported {meta['architecture']} to {output} ({output.stat().st_size / 1e6:.1f} MB) and "
           f"{description_path(output)}; checked on {count} images: largest logit difference {worst:.1e} "

@@ -128,6 +128,15 @@ def test_an_onnx_export_predicts_the_same_top_1_as_pytorch_on_the_digits_test_im
     # an existing export is kept unless --overwrite; a model without its description is refused by name
     again = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images")
     assert again.returncode == 2 and "exists" in again.output and "Traceback" not in again.output
+    # an export that fails its check replaces nothing: the earlier one stays, the same file
+    inode = onnx.stat().st_ino
+    failed = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images",
+                    "--overwrite", "--tolerance", "1e-12")
+    assert failed.returncode == 2, failed.output
+    assert ("error: the export does not match the PyTorch model: on 450 images the largest logit difference is"
+            in failed.output and "nothing was written" in failed.output)
+    assert onnx.stat().st_ino == inode and onnx.with_suffix(".json").is_file()
+    assert not [p for p in onnx.parent.iterdir() if p.name.startswith(".")]  # nor a temporary file beside it
     onnx.with_suffix(".json").unlink()
     result = predict("--model_dir", onnx, "--output", tmp_path / "x.csv", tmp_path / "images")
     assert result.returncode == 2 and f"{onnx.with_suffix('.json')} is missing" in result.output
