@@ -204,6 +204,20 @@ def check_not_inside(output, inputs, *, flag):
                             f"(and read as images by the next run). Choose a place outside {item}.")
 
 
+def make_work_dir(folder, *, inputs=(), flag="--work_dir"):
+    """A tool's work folder, created: not inside its `inputs`, not a file, on a filesystem it can write to."""
+    folder = Path(folder)
+    check_not_inside(folder, inputs, flag=flag)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{flag} {folder} is a file: choose a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot write to {flag} {folder} ({error.strerror}): choose a folder on a writable "
+                        "filesystem") from None
+    return folder
+
+
 def check_ours(folder, *, marker, flag):
     """A folder a tool replaces or empties whole (a work folder, a prepared one) must be absent, empty, or hold
     `marker`, the file that tool writes into what it makes: a folder of the user's, named by mistake, is refused,

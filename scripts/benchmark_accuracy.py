@@ -34,7 +34,7 @@ from common.distributed import cpu_computes_bf16  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, path, seed  # noqa: E402
 from common.images import folder_entries  # noqa: E402
-from common.outputs import check_not_inside, write_atomically  # noqa: E402
+from common.outputs import make_work_dir, write_atomically  # noqa: E402
 from common.tools import describe_cpu, link_or_copy  # noqa: E402
 
 RECORD = REPO / "scripts" / "accuracy_record.json"
@@ -127,7 +127,6 @@ def verdict(accuracies, recorded):
 def main(args):
     recipes = args.recipes or list(RECIPES)
     work_dir = Path(args.work_dir)
-    check_not_inside(work_dir, [args.cifar_dir, args.seedlings_dir], flag="--work_dir")
     data = {"cifar10": args.cifar_dir, "fashion_mnist": args.fashion_dir, "digits": None,
             "seedlings": args.seedlings_dir}
     where = {"cifar10": "--cifar_dir: the shared archive's JPEGs, extracted", "seedlings": "--seedlings_dir",
@@ -144,9 +143,7 @@ def main(args):
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise UserError(f"{record_file} is not a record of this benchmark ({error}): pass another --record_file, "
                         "or remove it and run with --record") from None
-    if work_dir.exists() and not work_dir.is_dir():
-        raise UserError(f"--work_dir {work_dir} is a file: choose a folder (it is created if missing)")
-    work_dir.mkdir(parents=True, exist_ok=True)
+    make_work_dir(work_dir, inputs=[args.cifar_dir, args.seedlings_dir])
     if "cifar10" in recipes:
         data["cifar10"] = cifar_subset(args.cifar_dir, work_dir)
     precision = "bf16" if cpu_computes_bf16() else "fp32"

@@ -34,8 +34,9 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import run_main  # noqa: E402
-from common.flags import ArgumentParser, positive_int  # noqa: E402
+from common.flags import ArgumentParser, path, positive_int  # noqa: E402
 from common.hf import save_folder_as_dataset  # noqa: E402
+from common.outputs import make_work_dir  # noqa: E402
 
 CLASSES = 10
 
@@ -46,7 +47,7 @@ def parse_args(argv=None):
                         help="dataset sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--processes", type=sizes, default="1,2",
                         help="process counts to launch, comma-separated (default: %(default)s)")
-    parser.add_argument("--work_dir", default="/tmp/folder-growth", help="where the generated folders go")
+    parser.add_argument("--work_dir", type=path, default="/tmp/folder-growth", help="where the generated folders go")
     parser.add_argument("--image_px", type=positive_int, default=64, help="generated image side (default: %(default)s)")
     parser.add_argument("--image_size", type=positive_int, default=48, help="training crop (default: %(default)s)")
     parser.add_argument("--batches", type=positive_int, default=20, help="batches timed per data path")
@@ -190,9 +191,9 @@ def data_path_rates(data_dir, args):
 def main(args):
     if args.probe:
         return probe(args)
-    rows = []
+    rows, work_dir = [], make_work_dir(args.work_dir)
     for size in args.sizes:
-        folder = Path(args.work_dir) / f"images_{size}"
+        folder = work_dir / f"images_{size}"
         start = time.perf_counter()
         generate(folder, size, args.image_px)
         print(f"{size} images in {folder} ({time.perf_counter() - start:.0f} s to generate)", flush=True)
@@ -211,10 +212,10 @@ def main(args):
                         stale.unlink()
                     cold = launch_probes(data_dir, processes, cache, args)
                     warm = launch_probes(data_dir, processes, cache, args)
-                    path = "cache" if cache else "files"
-                    row |= {f"{path}_cold_startup_s": max(p["startup_s"] for p in cold),
-                            f"{path}_warm_startup_s": max(p["startup_s"] for p in warm),
-                            f"{path}_cold_cpu_s_per_process": [round(p["cpu_s"], 1) for p in cold]}
+                    way = "cache" if cache else "files"
+                    row |= {f"{way}_cold_startup_s": max(p["startup_s"] for p in cold),
+                            f"{way}_warm_startup_s": max(p["startup_s"] for p in warm),
+                            f"{way}_cold_cpu_s_per_process": [round(p["cpu_s"], 1) for p in cold]}
                 row |= {"rss_mb_per_process": [round(p["rss_mb"]) for p in warm],  # the cached path's, warm
                         "pss_mb_per_process": [round(p["pss_mb"]) for p in warm]}
                 rows.append(row)
@@ -229,7 +230,8 @@ def main(args):
     for row in rows:
         if "processes" in row:
             cells = [f"{row['images']:,}", row["source"], row["processes"]]
-            cells += [f"{row[f'{path}_cold_startup_s']:.1f} / {row[f'{path}_warm_startup_s']:.1f}" for path in ("files", "cache")]
+            cells += [f"{row[f'{way}_cold_startup_s']:.1f} / {row[f'{way}_warm_startup_s']:.1f}"
+                      for way in ("files", "cache")]
             cells += [" / ".join(map(str, row[key])) for key in ("files_cold_cpu_s_per_process",
                       "cache_cold_cpu_s_per_process", "rss_mb_per_process", "pss_mb_per_process")]
             print("| " + " | ".join(map(str, cells)) + " |")

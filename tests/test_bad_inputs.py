@@ -507,6 +507,11 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
     (tmp_path / "file").write_text("notes")
     assert_refused(script("train_mnist.py", "--dataset", "digits", "--output_dir", tmp_path / "file"),
                    "is a file: choose a folder")
+    seedlings = ODD_IMAGES.parent / "seedlings"  # the benchmarks' work folders too (two were tracebacks)
+    for tool in (["benchmark_folders.py"], ["benchmark_hf.py", "--data_dir", seedlings], ["benchmark_accuracy.py",
+                 "digits"], ["benchmark_peers.py", "seedlings", "--data_dir", seedlings]):
+        assert_refused(script(*tool, "--work_dir", tmp_path / "file"),
+                       f"error: --work_dir {tmp_path / 'file'} is a file: choose a folder (it is created if missing)")
     assert (tmp_path / "file").read_text() == "notes"
     if os.geteuid() != 0:
         pytest.skip("mounting a read-only filesystem needs root")
@@ -517,6 +522,8 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
     try:
         assert_refused(script("train_mnist.py", "--dataset", "digits", "--output_dir", read_only / "run"),
                        "cannot write to --output_dir", "Read-only file system")
+        assert_refused(script("benchmark_folders.py", "--work_dir", read_only / "work"),
+                       f"error: cannot write to --work_dir {read_only / 'work'} (Read-only file system)")
     finally:
         subprocess.run(["umount", read_only])
 
