@@ -158,13 +158,20 @@ def timm_config(model, meta):
                                   if key in source}}}
 
 
+def model_folder(model_dir):
+    """The folder a --model_dir names: itself, or the folder of a file in best/ or in a checkpoint (the
+    model.safetensors a user points at)."""
+    model_dir = Path(model_dir)
+    if model_dir.is_file() and any((model_dir.parent / name).is_file() for name in ("meta.json", "trainer_state.json")):
+        return model_dir.parent
+    return model_dir
+
+
 def load_best_model(model_dir):
     """(model in eval mode, meta) from a best/ folder, a run's folder or a checkpoint (its trainer_state.json), or
     a file in one of them; every way it can be wrong is a UserError."""
-    model_dir = Path(model_dir)
+    model_dir = model_folder(model_dir)
     wanted = "pass the best/ folder a training run wrote (or the run's folder, or one of its checkpoints)"
-    if model_dir.is_file() and any((model_dir.parent / name).is_file() for name in ("meta.json", "trainer_state.json")):
-        model_dir = model_dir.parent  # best/model.safetensors (or a checkpoint's file): the model of its folder
     if not model_dir.is_dir():
         raise UserError(f"--model_dir {model_dir} {'is a file' if model_dir.exists() else 'not found'}: {wanted}")
     if not (model_dir / "meta.json").exists() and (model_dir / "best" / "meta.json").is_file():

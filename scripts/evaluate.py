@@ -39,7 +39,7 @@ from common.folders import build_file_dataloader, build_folder_dataset, find_spl
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
 from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
-from common.models import load_best_model  # noqa: E402
+from common.models import load_best_model, model_folder  # noqa: E402
 from common.outputs import check_not_inside  # noqa: E402
 from common.reporting import describe_tta  # noqa: E402
 
@@ -149,7 +149,7 @@ def in_model_classes(dataset, class_names, where):
 
 def check_output_dir(args):
     """--output_dir, by default the run's folder/evaluation; checked before any work, created if missing."""
-    model_dir = Path(args.model_dir).resolve()
+    model_dir = model_folder(args.model_dir).resolve()
     run_dir = model_dir if (model_dir / "best").is_dir() else model_dir.parent
     output_dir = Path(args.output_dir or (run_dir.parent if run_dir.name == "checkpoints" else run_dir) / "evaluation")
     check_not_inside(output_dir, [args.data_dir] if args.data_dir else [], flag="--output_dir")

@@ -125,6 +125,10 @@ def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_na
     assert meta == same_meta and all(torch.equal(a, b) for a, b in pairs)
     runs = tmp_path / "runs"
     shutil.copytree(digits_run / "best", runs / "digits" / "best")
+    result = script("evaluate.py", "--model_dir", runs / "digits" / "best" / "model.safetensors")
+    assert result.returncode == 0, result.output  # its reports where best/'s go: the run's evaluation/, not in best/
+    assert (runs / "digits" / "evaluation" / "report.html").is_file()
+    assert not (runs / "digits" / "best" / "evaluation").exists()
     for given, message in ((runs, f"error: {runs} holds no model but the runs {runs / 'digits'}: pass one of them"),
                            (tmp_path / "typo", f"error: --model_dir {tmp_path / 'typo'} not found: pass the best/ "
                                                "folder a training run wrote (or the run's folder, or one of its"),
