@@ -173,6 +173,9 @@ def find_checkpoint(output_dir, resume):
             raise UserError(f"--resume latest: {output_dir} holds the outputs of a run that never reached its first "
                             f"checkpoint ({', '.join(earlier)}): there is nothing to continue. Start it again with "
                             "--resume auto or --overwrite.")
+        if not pointer.is_file() and output_dir.name == "checkpoints" and (output_dir / "latest").is_file():
+            raise UserError(f"--resume latest: --output_dir {output_dir} is the run's checkpoints/ folder: pass the "
+                            f"run's own folder, --output_dir {output_dir.parent}")
         if not pointer.is_file():
             raise UserError(f"--resume latest: no checkpoint in {checkpoints} ({pointer.name} not found). {choose}")
         path = checkpoints / pointer.read_text().strip()
@@ -182,8 +185,11 @@ def find_checkpoint(output_dir, resume):
         path = Path(resume)
     state_path = path / "trainer_state.json"
     if not state_path.is_file():
-        raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). Pass "
-                        "`latest`, `auto` or a folder from OUTPUT_DIR/checkpoints/.")
+        run = next((folder for folder in (path, path.parent) if (folder / "checkpoints" / "latest").is_file()), None)
+        raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). "
+                        + (f"To continue the run in {run} from its last checkpoint, pass --resume latest"
+                           + ("" if run.resolve() == output_dir.resolve() else f" --output_dir {run}") + "."
+                           if run else "Pass `latest`, `auto` or a folder from OUTPUT_DIR/checkpoints/."))
     state, problem = read_json(state_path, check=_check_state)
     if problem:
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "

@@ -402,7 +402,16 @@ def test_resume_refusals_name_the_problem(tmp_path, reference):
          f"--resume auto: {finished} holds another run (--epochs 4 there, 5 here; --lr unset there, 0.5 here). "
          "Continue that run with --resume latest"),
         (["--output_dir", finished, "--resume", "auto"], "holds another run (--dataset digits there, mnist here;"),
-        (["--output_dir", finished, "--resume", tmp_path], "is not a checkpoint (no trainer_state.json in it)"),
+        (["--output_dir", finished, "--resume", tmp_path], "is not a checkpoint (no trainer_state.json in it). Pass "
+                                                           "`latest`, `auto` or a folder from OUTPUT_DIR/checkpoints/"),
+        # the run's folder, its best/ or checkpoints/ where a checkpoint goes: how to continue that run
+        (["--output_dir", finished, "--resume", finished / "best"],
+         f"--resume {finished / 'best'}: {finished / 'best'} is not a checkpoint (no trainer_state.json in it). To "
+         f"continue the run in {finished} from its last checkpoint, pass --resume latest."),
+        (["--output_dir", tmp_path / "new", "--resume", finished / "checkpoints"],
+         f"pass --resume latest --output_dir {finished}."),
+        (["--output_dir", finished / "checkpoints", "--resume", "latest"], f"--output_dir {finished / 'checkpoints'} "
+         f"is the run's checkpoints/ folder: pass the run's own folder, --output_dir {finished}"),
     ]
     corrupt = finished / "checkpoints" / "epoch_002_end" / "model.safetensors"
     corrupt.write_bytes(corrupt.read_bytes()[:1000])
