@@ -204,8 +204,9 @@ def check_not_inside(output, inputs, *, flag):
                             f"(and read as images by the next run). Choose a place outside {item}.")
 
 
-def make_work_dir(folder, *, inputs=(), flag="--work_dir"):
-    """A tool's work folder, created: not inside its `inputs`, not a file, on a filesystem it can write to."""
+def make_folder(folder, *, inputs=(), flag="--work_dir"):
+    """A tool's work or output folder (`flag`), created: not inside its `inputs`, not a file, on a filesystem it
+    can write to."""
     folder = Path(folder)
     check_not_inside(folder, inputs, flag=flag)
     if folder.exists() and not folder.is_dir():

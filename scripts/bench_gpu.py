@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path  # noqa: E402
 from common.images import convert_image  # noqa: E402
-from common.outputs import check_not_inside, check_ours, remove, write_atomically  # noqa: E402
+from common.outputs import check_not_inside, check_ours, make_folder, remove, write_atomically  # noqa: E402
 from common.tools import describe_cpu  # noqa: E402
 
 # train_cifar.py's candidate recipes for one GPU (--preset, --variant); none is settled yet. The first mirrors
@@ -462,13 +462,12 @@ def run(args):
                         f"choose among {','.join(skippable)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no GPU that torch sees (a CPU check: --smoke --device cpu)")
-    for folder, flag in ((out, "--out"), (work, "--work_dir")):
-        check_not_inside(folder, [bench_dir], flag=flag)  # what is in --bench_dir travels to the device
     check_ours(work, marker=WORK_MARKER, flag="--work_dir")  # emptied: a user's folder is refused, not deleted
+    make_folder(out, inputs=[bench_dir], flag="--out")  # what is in --bench_dir travels to the device
+    check_not_inside(work, [bench_dir], flag="--work_dir")
     remove(work)
-    work.mkdir(parents=True)
+    make_folder(work)
     (work / WORK_MARKER).touch()
-    out.mkdir(parents=True, exist_ok=True)
     ctx = {"bench_dir": bench_dir, "out": out, "work": work, "smoke": args.smoke, "device": args.device,
            "preset": args.preset, "variant": args.variant,
            # the compile caches in the work folder: ours_cold starts without them, ours_warm reuses them

@@ -34,7 +34,7 @@ from common.distributed import cpu_computes_bf16  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, path, seed  # noqa: E402
 from common.images import folder_entries  # noqa: E402
-from common.outputs import make_work_dir, write_atomically  # noqa: E402
+from common.outputs import make_folder, write_atomically  # noqa: E402
 from common.tools import describe_cpu, link_or_copy  # noqa: E402
 
 RECORD = REPO / "scripts" / "accuracy_record.json"
@@ -143,7 +143,7 @@ def main(args):
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise UserError(f"{record_file} is not a record of this benchmark ({error}): pass another --record_file, "
                         "or remove it and run with --record") from None
-    make_work_dir(work_dir, inputs=[args.cifar_dir, args.seedlings_dir])
+    make_folder(work_dir, inputs=[args.cifar_dir, args.seedlings_dir])
     if "cifar10" in recipes:
         data["cifar10"] = cifar_subset(args.cifar_dir, work_dir)
     precision = "bf16" if cpu_computes_bf16() else "fp32"

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, path, positive_int  # noqa: E402
 from common.hf import save_folder_as_dataset  # noqa: E402
-from common.outputs import make_work_dir  # noqa: E402
+from common.outputs import make_folder  # noqa: E402
 
 CLASSES = 10
 
@@ -191,7 +191,7 @@ def data_path_rates(data_dir, args):
 def main(args):
     if args.probe:
         return probe(args)
-    rows, work_dir = [], make_work_dir(args.work_dir)
+    rows, work_dir = [], make_folder(args.work_dir)
     for size in args.sizes:
         folder = work_dir / f"images_{size}"
         start = time.perf_counter()

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, path, positive_int  # noqa: E402
 from common.hf import save_folder_as_dataset  # noqa: E402
-from common.outputs import make_work_dir  # noqa: E402
+from common.outputs import make_folder  # noqa: E402
 from common.tools import split_once  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def train(data_dir, output_dir, flags):
 
 
 def main(args):
-    work = make_work_dir(args.work_dir, inputs=[args.data_dir])
+    work = make_folder(args.work_dir, inputs=[args.data_dir])
     split, hf_dir = split_once(args.data_dir, work)[0], work / "dataset"
     save_folder_as_dataset(split, hf_dir)
     sources = {"folder": split.resolve(), "hf": f"hf:{hf_dir.resolve()}"}

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))  # find common/ from any working directory
 from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, positive_int, seed  # noqa: E402
 from common.images import folder_entries, read_image  # noqa: E402
-from common.outputs import make_work_dir, remove, write_atomically  # noqa: E402
+from common.outputs import make_folder, remove, write_atomically  # noqa: E402
 from common.tools import check_output_file, describe_cpu, split_once  # noqa: E402
 
 TASKS = {"seedlings": {"epochs": 5, "processes": 1, "target": 0.60},
@@ -221,7 +221,7 @@ def main(args):
     if args.device == "cuda" and (processes > 1 or not torch.cuda.is_available()):
         raise UserError("--device cuda runs every script on one GPU, one process: "
                         + ("--processes 1" if torch.cuda.is_available() else "this machine has no GPU that torch sees"))
-    work_dir = make_work_dir(args.work_dir, inputs=[args.data_dir])
+    work_dir = make_folder(args.work_dir, inputs=[args.data_dir])
     data = prepare_seedlings(args.data_dir, work_dir) if args.task == "seedlings" else args.data_dir
     cpu = describe_cpu(args.device)
     print(f"{cpu['gpu'] + ' with ' if cpu['gpu'] else ''}{cpu['cpu']}, {cpu['cores']} cores, {' '.join(cpu['instruction_sets'])}; bf16 native: "

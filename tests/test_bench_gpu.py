@@ -100,6 +100,9 @@ def test_run_refuses_a_folder_not_prepared_or_prepared_for_a_smoke_run(tmp_path)
                     "--out", tmp_path / "out", "--work_dir", tmp_path / "mine")
     assert f"--work_dir {tmp_path / 'mine'} holds files this tool did not write (no .bench-gpu-work)" in error
     assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+    error = refused("bench_gpu.py", "run", "--bench_dir", tmp_path / "bench", "--smoke", "--device", "cpu",
+                    "--out", tmp_path / "mine" / "notes.txt", "--work_dir", tmp_path / "work")
+    assert f"--out {tmp_path / 'mine' / 'notes.txt'} is a file: choose a folder" in error  # was a traceback
 
 
 def test_a_run_out_of_time_skips_every_stage_and_still_writes_its_table(tmp_path):
