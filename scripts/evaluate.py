@@ -40,7 +40,7 @@ from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E40
 from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
 from common.models import load_best_model, model_folder  # noqa: E402
-from common.outputs import check_not_inside  # noqa: E402
+from common.outputs import make_folder  # noqa: E402
 from common.reporting import describe_tta  # noqa: E402
 
 IN_MEMORY_DATASETS = cifar.DATASETS | mnist.DATASETS  # by the name best/meta.json records, as "dataset"
@@ -152,16 +152,11 @@ def check_output_dir(args):
     model_dir = model_folder(args.model_dir).resolve()
     run_dir = model_dir if (model_dir / "best").is_dir() else model_dir.parent
     output_dir = Path(args.output_dir or (run_dir.parent if run_dir.name == "checkpoints" else run_dir) / "evaluation")
-    check_not_inside(output_dir, [args.data_dir] if args.data_dir else [], flag="--output_dir")
-    earlier = [name for name in OUTPUTS if (output_dir / name).exists()]
+    earlier = [name for name in OUTPUTS if output_dir.is_dir() and (output_dir / name).exists()]
     if earlier and not args.overwrite:
         raise UserError(f"{output_dir} already holds an evaluation ({', '.join(earlier)}): pass --overwrite to replace "
                         "it, or choose another --output_dir")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"cannot create --output_dir {output_dir} ({error.strerror})") from None
-    return output_dir
+    return make_folder(output_dir, inputs=[args.data_dir] if args.data_dir else [], flag="--output_dir")
 
 
 def main(args):

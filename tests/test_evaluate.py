@@ -136,6 +136,10 @@ def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_na
                                                           "file: pass the best/ folder")):
         assert message in refused("evaluate.py", "--model_dir", given, "--output_dir", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    (tmp_path / "notes.txt").write_text("mine")  # --output_dir a file: refused, kept
+    message = refused("evaluate.py", "--model_dir", digits_run / "best", "--output_dir", tmp_path / "notes.txt")
+    assert f"error: --output_dir {tmp_path / 'notes.txt'} is a file: choose a folder" in message
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path):
