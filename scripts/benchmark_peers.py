@@ -166,9 +166,11 @@ def check_inputs(args):
         needed[Path(args.peers_dir) / name] = "--peers_dir: timm's train.py as timm_train.py, the patched cv_example.py"
     if args.seed_script:
         needed[Path(args.seed_script)] = "--seed_script"
-    for file, why in needed.items():
-        if not file.exists():
-            raise UserError(f"{file} not found ({why})")
+    for file, why in needed.items():  # all files but --data_dir, a folder
+        folder = file == Path(args.data_dir)
+        if not (file.is_dir() if folder else file.is_file()):
+            found = "not found" if not file.exists() else "is a file, not a folder" if folder else "is a folder"
+            raise UserError(f"{file} {found} ({why})")
 
 
 def run_timed(name, command, *, env, log, processes):

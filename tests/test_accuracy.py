@@ -52,6 +52,11 @@ def test_accuracy_guard_verdicts():
     assert guard.parse_args(["--record"]).recipes == [] and guard.parse_args(["digits"]).recipes == ["digits"]
     assert ("argument RECIPE: invalid choice: 'mnist' (choose from cifar10, fashion_mnist, digits, seedlings)"
             in refused("benchmark_accuracy.py", "digits", "mnist"))
+    # a --record_file that cannot be written is refused before the runs, not after them
+    assert "--record_file scripts is a folder: give a file name" in refused("benchmark_accuracy.py", "digits",
+                                                                            "--record_file", "scripts")
+    assert "the folder nowhere does not exist" in refused("benchmark_accuracy.py", "digits", "--record",
+                                                          "--record_file", "nowhere/record.json")
     verdict = guard.verdict
     assert verdict([0.50, 0.51, 0.49], [0.50, 0.50, 0.51])[0]
     assert verdict([0.49], [0.50, 0.51])[0]  # within 2 points

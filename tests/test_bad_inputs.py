@@ -451,6 +451,11 @@ def test_the_peer_benchmark_refuses_a_careless_command_before_it_runs_anything(t
              (["seedlings", "--data_dir", data, "--work_dir", data / "Maize" / "006196e1c.png"], "is inside the input")]
     (tmp_path / "file").write_text("not a folder")
     cases.append((["seedlings", "--data_dir", data, "--work_dir", tmp_path / "file"], "is a file: choose a folder"))
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "train-images-idx3-ubyte.gz").touch()  # only looked for before the seed script is
+    cases += [(["seedlings", "--data_dir", tmp_path / "file"], f"{tmp_path / 'file'} is a file, not a folder"),
+              (["fashion_mnist", "--data_dir", tmp_path / "idx", "--seed_script", tmp_path],
+               f"{tmp_path} is a folder (--seed_script)")]  # it ran the benchmark, every run failing
     if not torch.cuda.is_available():
         cases.append((["seedlings", "--data_dir", data, "--device", "cuda"],
                       "--device cuda runs every script on one GPU, one process: this machine has no GPU that torch sees"))
