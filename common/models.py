@@ -19,11 +19,13 @@ from .outputs import write_atomically
 from .reporting import write_predictions
 
 
-def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None, identity_start=True):
+def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None, identity_start=True,
+                batch_size=None):
     """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`). `channels_last`: NHWC weights,
-    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`.
-    `identity_start=False`: a residual network's blocks start with their last BatchNorm at 1, not 0 (the weights'
-    start only: nothing of it is needed to load them)."""
+    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size` (a side, or height and
+    width): see `check_image_size`, and with `batch_size` (the images a BatchNorm layer sees at once in training)
+    `check_batch_norm`. `identity_start=False`: a residual network's blocks start with their last BatchNorm at 1,
+    not 0 (the weights' start only: nothing of it is needed to load them)."""
     STARTED.update(data=time.time())  # a training script builds its model once its data is ready (common.run)
     if name == "resnet18_cifar":
         model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans, identity_start=identity_start)
@@ -46,7 +48,33 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
                             "(timm's zero_init_last): drop the flag") from None
         if image_size:
             check_image_size(model, name, in_chans=in_chans, image_size=image_size)
+    if image_size and batch_size == 1:
+        check_batch_norm(model, name, in_chans=in_chans, image_size=image_size)
     return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def check_batch_norm(model, name, *, in_chans, image_size):
+    """A batch of one image trains a BatchNorm layer that sees 1x1 maps (or flat features) on one value per
+    channel, which PyTorch refuses at the first step with a traceback: found here, with one forward."""
+    size = (image_size,) * 2 if isinstance(image_size, int) else tuple(image_size)
+    seen, training = [], model.training
+    hooks = [module.register_forward_pre_hook(lambda module, inputs: seen.append((module, inputs[0].shape[2:])))
+             for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, in_chans, *size))
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    single = [(module, shape) for module, shape in seen if shape.numel() == 1]
+    if single:
+        module, shape = single[0]
+        where = "x".join(map(str, shape)) + " maps" if len(shape) else "flat features"
+        layer = f"{type(module).__name__}({module.num_features})"
+        raise UserError(f"--batch_size 1: the model ({name}) has a BatchNorm layer, {layer}, that sees {where} at "
+                        f"{size[0]}x{size[1]} images, so a batch of one image gives it one value per channel, which it "
+                        "cannot normalize in training: use --batch_size 2 or more")
 
 
 def check_model_name(name, *, image_size=None):

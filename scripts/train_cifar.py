@@ -107,7 +107,7 @@ def main(args):
                                 normalize=(CIFAR10_MEAN, CIFAR10_STD), dataset="cifar10",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
-                        image_size=32, identity_start=args.identity_start)
+                        image_size=32, identity_start=args.identity_start, batch_size=args.batch_size)
     # the recipe's LR is 0.2 at a global batch of 128; without --lr it follows the global batch in proportion
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=0.2, base_batch=128, global_batch=global_batch, rule="linear")

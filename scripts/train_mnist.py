@@ -94,7 +94,8 @@ def main(args):
     model_info = describe_model("mnist_convnet", train_set.classes, image_size=train_set.image_size,
                                 normalize=((0.0,), (1.0,)), dataset=args.dataset,
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
-    model = build_model("mnist_convnet", **model_info["model_kwargs"], channels_last=args.channels_last)
+    model = build_model("mnist_convnet", **model_info["model_kwargs"], channels_last=args.channels_last,
+                        image_size=model_info["image_size"], batch_size=args.batch_size)
     # the recipe's LR is 1e-2 at a global batch of 64; without --lr it follows the global batch's square root
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=1e-2, base_batch=64, global_batch=global_batch, rule="sqrt")

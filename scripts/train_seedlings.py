@@ -191,11 +191,12 @@ def main(args):
     eval_transform = partial(preprocess, normalize=(mean, std))
 
     # model and optimisation
+    sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
-                        image_size=args.image_size)
+                        image_size=args.image_size,  # SyncBatchNorm normalizes over every process's batch
+                        batch_size=args.batch_size * (accelerator.num_processes if sync_bn else 1))
     if pretrained is not None:
         accelerator.print(load_pretrained(model, args.model, args.pretrained, pretrained))
-    sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False
     if args.sync_bn and not sync_bn:
         accelerator.print("--sync_bn ignored: SyncBatchNorm needs CUDA and more than one process")
     if sync_bn:

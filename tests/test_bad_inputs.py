@@ -180,6 +180,23 @@ def test_a_wrong_model_or_pretrained_file_is_refused_before_any_image_is_read(tm
     assert not list(data.glob(".checked*")) and not (tmp_path / "run").exists()  # no image check, no decode
 
 
+def test_a_batch_of_one_that_batch_norm_cannot_train_on_is_one_message(tmp_path):
+    """Where a BatchNorm layer sees 1x1 maps, one image a batch is one value per channel: PyTorch's traceback at the
+    first step before. Elsewhere a batch of one trains."""
+    result = script("train_mnist.py", "--dataset", "digits", "--batch_size", 1, "--output_dir", tmp_path / "digits")
+    assert_refused(result, "error: --batch_size 1: the model (mnist_convnet) has a BatchNorm layer, BatchNorm2d(32), "
+                           "that sees 1x1 maps at 8x8 images, so a batch of one image gives it one value per channel")
+    data = shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data")  # its image check is written there
+    result = script("train_seedlings.py", "--data_dir", data, "--model", "resnet18",
+                    "--image_size", 32, "--batch_size", 1, "--mixup_alpha", 0, "--cutmix_alpha", 0, "--output_dir",
+                    tmp_path / "seedlings")
+    assert_refused(result, "the model (resnet18) has a BatchNorm layer, BatchNorm2d(512), that sees 1x1 maps at 32x32")
+    from common.models import build_model
+
+    for name, size in (("resnet18", 64), ("resnet18_cifar", 32)):  # 2x2 and 4x4 maps at the last stage: refused not
+        build_model(name, num_classes=3, image_size=size, batch_size=1)
+
+
 def test_digits_with_a_data_dir_or_download_is_refused_not_ignored(tmp_path):
     for args in (["--data_dir", tmp_path / "photos"], ["--download"]):
         result = script("train_mnist.py", "--dataset", "digits", *args, "--output_dir", tmp_path / "run")
