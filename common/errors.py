@@ -96,7 +96,14 @@ def call_main(main, args):
             print("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one",
                   file=sys.stderr, flush=True)
         sys.exit(130)
-    except RuntimeError as error:
+    except (RuntimeError, MemoryError) as error:
+        memory = out_of_memory(error)
+        if memory:  # a batch too large for the GPU or the machine: the user's to fix, not a bug of ours
+            exit_with_message(f"error: out of memory ({memory}). Lower --batch_size (it is per process; --grad_accum "
+                              "keeps the global batch) or the image size, or free the memory other programs hold; with "
+                              "checkpoints, --resume latest continues from the last one.", 1)
+        if not isinstance(error, RuntimeError):
+            raise
         # gloo's own words without its name too: "Application timeout caused pair closure" (DDP's buffer broadcast)
         from_collective = (isinstance(error, torch.distributed.DistError)
                            or re.search(r"gloo|nccl|c10d|pair closure", str(error), re.IGNORECASE))
@@ -106,6 +113,20 @@ def call_main(main, args):
         exit_with_message(f"error: lost the other processes ({' '.join(str(error).split())}): one of them failed, "
                           "hung longer than --dist_timeout, or its machine was lost; its own output says which. "
                           "Continue from the last checkpoint with --resume latest.", 1, consequence=True)
+
+
+def out_of_memory(error):
+    """What ran out and how much was asked for, in a few words, if `error` is an allocation that failed (PyTorch's
+    CUDA or CPU allocator, Python's MemoryError); else None."""
+    if isinstance(error, MemoryError):
+        return "the machine's"
+    text = " ".join(str(error).split())
+    found = re.search(r"CUDA out of memory\. Tried to allocate ([\d.]+ \w+)|you tried to allocate (\d+) bytes", text)
+    if found and found.group(1):
+        return f"the GPU's, allocating {found.group(1)} more"
+    if found:
+        return f"the machine's, allocating {int(found.group(2)) / 2 ** 20:,.0f} MiB more"
+    return text[:300] if isinstance(error, torch.OutOfMemoryError) else None
 
 
 # under torchrun, how long a process that may not be the first to fail waits before it reports: long enough for

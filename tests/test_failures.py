@@ -97,6 +97,34 @@ def read_wchan(pid):
         return None
 
 
+SHORT_OF_MEMORY = f"""
+import resource, sys
+sys.path.insert(0, {str(REPO / "scripts")!r})
+import timm, torch, train_seedlings  # imported first: the limit is on what the run allocates
+from common.errors import run_main
+
+size = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + 3 * 2 ** 30, resource.RLIM_INFINITY))
+sys.argv[0] = train_seedlings.__file__
+run_main(train_seedlings.main, train_seedlings.parse_args())
+"""
+
+
+@pytest.mark.slow
+def test_a_batch_too_large_for_the_memory_is_one_message_naming_the_fix(tmp_path, seedlings):
+    """A real allocation failure (the process's address space limited to 3 GB more than its imports took, which the
+    activations of ResNet-50 at 768 px overrun in the first step): one line, not the allocator's traceback."""
+    program = tmp_path / "short_of_memory.py"
+    program.write_text(SHORT_OF_MEMORY)
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    result = run_command([sys.executable, program, "--data_dir", data, "--model", "resnet50", "--image_size", 768,
+                          "--batch_size", 16, "--epochs", 1, "--mixup_alpha", 0, "--cutmix_alpha", 0, "--output_dir",
+                          tmp_path / "run"], timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output
+    assert re.search(r"error: out of memory \(the machine's, allocating [\d,]+ MiB more\)\. Lower --batch_size \(it is "
+                     r"per process; --grad_accum keeps the global batch\) or the image size", result.output)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("mode", ["raise", "keep"])
