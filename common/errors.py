@@ -80,7 +80,7 @@ def call_main(main, args):
     try:
         return main(args)
     except UserError as error:
-        exit_with_message(f"error: {error}", 2)
+        exit_with_message(f"error: {raised_in_a_worker(error) or error}", 2)
     except NothingToDo as done:
         if os.environ.get("RANK", "0") == "0":
             print(done, flush=True)
@@ -113,6 +113,15 @@ def call_main(main, args):
         exit_with_message(f"error: lost the other processes ({' '.join(str(error).split())}): one of them failed, "
                           "hung longer than --dist_timeout, or its machine was lost; its own output says which. "
                           "Continue from the last checkpoint with --resume latest.", 1, consequence=True)
+
+
+def raised_in_a_worker(error):
+    """The message of a UserError a DataLoader worker raised, which comes back as one whose message is the worker's
+    whole traceback (torch's ExceptionWrapper): its last line, without the exception's name; else None."""
+    text = str(error).rstrip()
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        return re.sub(r"^[\w.]+: ", "", text.splitlines()[-1])
+    return None
 
 
 def out_of_memory(error):

@@ -168,13 +168,22 @@ class ImageFileDataset(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, index):
-        image = self.cache[self.cache_rows[index]] if self.cache is not None else read_image(self.files[index])
+        image = self.cache[self.cache_rows[index]] if self.cache is not None else self._read(index)
         if self.seed is None:
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
         # fork_rng: with no workers this runs in the training process, whose own random stream must not move
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, int(self.epoch), index))
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
+
+
+    def _read(self, index):
+        try:
+            return read_image(self.files[index])
+        except (OSError, ValueError) as error:  # it was read at the image check: it changed since
+            raise UserError(f"cannot read image {self.files[index]} ({error}), which the image check read before: it "
+                            "was deleted, moved or changed while the run went on, or its filesystem went away. Put it "
+                            "back, then continue with --resume latest") from None
 
 
 def balanced_sampling_weights(labels):

@@ -97,6 +97,33 @@ def read_wchan(pid):
         return None
 
 
+@pytest.mark.slow
+def test_an_image_deleted_while_a_run_reads_its_files_is_named_and_the_run_ends_resumable(tmp_path, seedlings):
+    """Without the decode cache each epoch reads the files again (in a DataLoader worker here, whose error comes back
+    as its whole traceback): a file deleted (moved, unmounted) after the image check is one message naming it."""
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    log = tmp_path / "run.log"
+    process = spawn([sys.executable, REPO / "scripts" / "train_seedlings.py", "--data_dir", data, "--model",
+                     "test_resnet", "--image_size", 32, "--epochs", 60, "--batch_size", 8, "--mixup_alpha", 0,
+                     "--cutmix_alpha", 0, "--no-cache_images", "--num_workers", 1, "--output_dir", tmp_path / "run"],
+                    log=log)
+    try:
+        wait_for(lambda: "epoch 1/60 " in log.read_text(), process)
+        gone = sorted((data / "Maize").iterdir())
+        for image in gone:
+            image.unlink()
+        assert process.wait(timeout=120) == 2
+    finally:
+        kill_everything(process)
+    output = log.read_text()
+    assert "Traceback" not in output and "Caught" not in output, output
+    found = re.search(r"error: cannot read image (\S+) \(\[Errno 2\] No such file or directory: .*\), which the image "
+                      r"check read before: it was deleted, moved or changed while the run went on, or its filesystem "
+                      r"went away\. Put it back, then continue with --resume latest", output)
+    assert found and Path(found.group(1)) in gone, output
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()  # what --resume latest continues from
+
+
 SHORT_OF_MEMORY = f"""
 import resource, sys
 sys.path.insert(0, {str(REPO / "scripts")!r})
