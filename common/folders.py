@@ -176,14 +176,14 @@ class ImageFileDataset(torch.utils.data.Dataset):
             torch.manual_seed(mix_seed(self.seed, int(self.epoch), index))
             return {"image": self.transform(image), "label": self.labels[index], "index": index}
 
-
     def _read(self, index):
         try:
             return read_image(self.files[index])
         except (OSError, ValueError) as error:  # it was read at the image check: it changed since
             raise UserError(f"cannot read image {self.files[index]} ({error}), which the image check read before: it "
                             "was deleted, moved or changed while the run went on, or its filesystem went away. Put it "
-                            "back, then continue with --resume latest") from None
+                            "back and run again (a training run: with --resume latest, from its last "
+                            "checkpoint)") from None
 
 
 def balanced_sampling_weights(labels):

@@ -119,7 +119,8 @@ def test_an_image_deleted_while_a_run_reads_its_files_is_named_and_the_run_ends_
     assert "Traceback" not in output and "Caught" not in output, output
     found = re.search(r"error: cannot read image (\S+) \(\[Errno 2\] No such file or directory: .*\), which the image "
                       r"check read before: it was deleted, moved or changed while the run went on, or its filesystem "
-                      r"went away\. Put it back, then continue with --resume latest", output)
+                      r"went away\. Put it back and run again \(a training run: with --resume latest, from its last "
+                      r"checkpoint\)", output)
     assert found and Path(found.group(1)) in gone, output
     assert (tmp_path / "run" / "checkpoints" / "latest").is_file()  # what --resume latest continues from
 
