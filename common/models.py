@@ -19,13 +19,11 @@ from .outputs import write_atomically
 from .reporting import write_predictions
 
 
-def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None, identity_start=True,
-                batch_size=None):
+def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_size=None, identity_start=True):
     """`resnet18_cifar`, `mnist_convnet`, or any timm model name (e.g. `resnet50`). `channels_last`: NHWC weights,
-    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size` (a side, or height and
-    width): see `check_image_size`, and with `batch_size` (the images a BatchNorm layer sees at once in training)
-    `check_batch_norm`. `identity_start=False`: a residual network's blocks start with their last BatchNorm at 1,
-    not 0 (the weights' start only: nothing of it is needed to load them)."""
+    so the convolutions run NHWC, as the tensor cores want under bf16/fp16. `image_size`: see `check_image_size`.
+    `identity_start=False`: a residual network's blocks start with their last BatchNorm at 1, not 0 (the weights'
+    start only: nothing of it is needed to load them)."""
     STARTED.update(data=time.time())  # a training script builds its model once its data is ready (common.run)
     if name == "resnet18_cifar":
         model = build_resnet18_cifar(num_classes=num_classes, in_chans=in_chans, identity_start=identity_start)
@@ -48,15 +46,16 @@ def build_model(name, *, num_classes, in_chans=3, channels_last=False, image_siz
                             "(timm's zero_init_last): drop the flag") from None
         if image_size:
             check_image_size(model, name, in_chans=in_chans, image_size=image_size)
-    if image_size and batch_size == 1:
-        check_batch_norm(model, name, in_chans=in_chans, image_size=image_size)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def check_batch_norm(model, name, *, in_chans, image_size):
-    """A batch of one image trains a BatchNorm layer that sees 1x1 maps (or flat features) on one value per
-    channel, which PyTorch refuses at the first step with a traceback: found here, with one forward."""
-    size = (image_size,) * 2 if isinstance(image_size, int) else tuple(image_size)
+def check_batch_norm(model, model_info, *, batch_size):
+    """A batch of one image (`batch_size`: what a BatchNorm layer normalizes over in training) trains a BatchNorm
+    layer that sees 1x1 maps (or flat features) on one value per channel, which PyTorch refuses at the first step
+    with a traceback: found before, with one forward of the `build_model` model that `model_info` describes."""
+    if batch_size != 1:
+        return
+    name, in_chans, size = model_info["architecture"], model_info["model_kwargs"]["in_chans"], model_info["image_size"]
     seen, training = [], model.training
     hooks = [module.register_forward_pre_hook(lambda module, inputs: seen.append((module, inputs[0].shape[2:])))
              for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]

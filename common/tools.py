@@ -52,25 +52,25 @@ class ImageFiles(torch.utils.data.Dataset):
         return {"image": image, "ok": ok, "index": index}
 
 
-def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False, flag="--output"):
+def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False):
     """Check, before any work, that a tool can write `path`; an existing file must be `is_ours` (`what` names it:
-    "a CSV written by predict.py") unless `overwrite`. `flag`: the option that names it."""
+    "a CSV written by predict.py") unless `overwrite`."""
     path = Path(path)
     if path.is_dir():
-        raise UserError(f"{flag} {path} is a folder: give a file name, e.g. {path / ('output' + suffix)}")
+        raise UserError(f"--output {path} is a folder: give a file name, e.g. {path / ('output' + suffix)}")
     if path.suffix.lower() != suffix:
-        raise UserError(f"{flag} {path}: the output is {what}, so its name must end in {suffix} (after a shell "
+        raise UserError(f"--output {path}: the output is {what}, so its name must end in {suffix} (after a shell "
                         "glob such as --output imgs/*.jpg, the first image would have been the output)")
     if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: the folder {path.parent} does not exist; create it or choose another file")
+        raise UserError(f"--output {path}: the folder {path.parent} does not exist; create it or choose another file")
     if any(path.resolve() == Path(item).resolve() for item in inputs):
-        raise UserError(f"{flag} {path} is one of the inputs: writing there would destroy it. Choose another "
+        raise UserError(f"--output {path} is one of the inputs: writing there would destroy it. Choose another "
                         "file (a shell glob after --output names an input as the output)")
     if path.exists() and not overwrite and not is_ours(path):
-        raise UserError(f"{flag} {path} exists and is not {what}: choose another file, or pass --overwrite to "
+        raise UserError(f"--output {path} exists and is not {what}: choose another file, or pass --overwrite to "
                         "replace it")
     if not os.access(path.parent, os.W_OK):
-        raise UserError(f"{flag} {path}: the folder {path.parent} is not writable")
+        raise UserError(f"--output {path}: the folder {path.parent} is not writable")
 
 
 def describe_cpu(device):

@@ -35,7 +35,7 @@ from common.errors import UserError, run_main  # noqa: E402
 from common.flags import ArgumentParser, path, seed  # noqa: E402
 from common.images import folder_entries  # noqa: E402
 from common.outputs import make_folder, write_atomically  # noqa: E402
-from common.tools import check_output_file, describe_cpu, link_or_copy  # noqa: E402
+from common.tools import describe_cpu, link_or_copy  # noqa: E402
 
 RECORD = REPO / "scripts" / "accuracy_record.json"
 TOLERANCE = 0.02  # or twice the recorded standard deviation, whichever is larger
@@ -143,9 +143,9 @@ def main(args):
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise UserError(f"{record_file} is not a record of this benchmark ({error}): pass another --record_file, "
                         "or remove it and run with --record") from None
-    if args.record or record_file.is_dir():  # checked now, not after the runs
-        check_output_file(record_file, suffix=".json", what="a record of this benchmark", is_ours=lambda _: True,
-                          flag="--record_file")
+    if record_file.is_dir() or (args.record and not record_file.parent.is_dir()):  # now, not after the runs
+        raise UserError(f"--record_file {record_file}: " + ("a folder: give a file name" if record_file.is_dir() else
+                                                             f"the folder {record_file.parent} does not exist"))
     make_folder(work_dir, inputs=[args.cifar_dir, args.seedlings_dir])
     if "cifar10" in recipes:
         data["cifar10"] = cifar_subset(args.cifar_dir, work_dir)

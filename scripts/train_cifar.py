@@ -39,7 +39,7 @@ from common.errors import run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability  # noqa: E402
 from common.hf import add_hf_args, hf_options  # noqa: E402
-from common.models import build_ema, build_model, check_model_name, describe_model  # noqa: E402
+from common.models import build_ema, build_model, check_batch_norm, check_model_name, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -107,7 +107,8 @@ def main(args):
                                 normalize=(CIFAR10_MEAN, CIFAR10_STD), dataset="cifar10",
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
-                        image_size=32, identity_start=args.identity_start, batch_size=args.batch_size)
+                        image_size=32, identity_start=args.identity_start)
+    check_batch_norm(model, model_info, batch_size=args.batch_size)
     # the recipe's LR is 0.2 at a global batch of 128; without --lr it follows the global batch in proportion
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=0.2, base_batch=128, global_batch=global_batch, rule="linear")

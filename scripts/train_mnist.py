@@ -38,7 +38,7 @@ from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number  # noqa: E402
 from common.hf import add_hf_args, hf_options  # noqa: E402
 from common.mnist import build_digits, build_mnist  # noqa: E402
-from common.models import build_ema, build_model, describe_model  # noqa: E402
+from common.models import build_ema, build_model, check_batch_norm, describe_model  # noqa: E402
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -94,8 +94,8 @@ def main(args):
     model_info = describe_model("mnist_convnet", train_set.classes, image_size=train_set.image_size,
                                 normalize=((0.0,), (1.0,)), dataset=args.dataset,
                                 arguments=args_to_dict(args))  # into best/ and every checkpoint
-    model = build_model("mnist_convnet", **model_info["model_kwargs"], channels_last=args.channels_last,
-                        image_size=model_info["image_size"], batch_size=args.batch_size)
+    model = build_model("mnist_convnet", **model_info["model_kwargs"], channels_last=args.channels_last)
+    check_batch_norm(model, model_info, batch_size=args.batch_size)
     # the recipe's LR is 1e-2 at a global batch of 64; without --lr it follows the global batch's square root
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=1e-2, base_batch=64, global_batch=global_batch, rule="sqrt")

@@ -54,8 +54,8 @@ from common.folders import (balanced_class_weights, balanced_sampling_weights, b
                             find_splits, random_resized_crop, read_mean_std, training_cache)
 from common.hf import add_hf_args, find_hf_stream, hf_options  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
-from common.models import (build_ema, build_model, check_model_name, describe_model, load_pretrained,  # noqa: E402
-                           read_pretrained)
+from common.models import (build_ema, build_model, check_batch_norm, check_model_name, describe_model,  # noqa: E402
+                           load_pretrained, read_pretrained)
 from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
@@ -193,8 +193,9 @@ def main(args):
     # model and optimisation
     sync_bn = torch.cuda.is_available() and accelerator.num_processes > 1 and args.sync_bn is not False
     model = build_model(args.model, **model_info["model_kwargs"], channels_last=args.channels_last,
-                        image_size=args.image_size,  # SyncBatchNorm normalizes over every process's batch
-                        batch_size=args.batch_size * (accelerator.num_processes if sync_bn else 1))
+                        image_size=args.image_size)
+    # SyncBatchNorm normalizes over every process's batch
+    check_batch_norm(model, model_info, batch_size=args.batch_size * (accelerator.num_processes if sync_bn else 1))
     if pretrained is not None:
         accelerator.print(load_pretrained(model, args.model, args.pretrained, pretrained))
     if args.sync_bn and not sync_bn:

@@ -53,8 +53,8 @@ def test_accuracy_guard_verdicts():
     assert ("argument RECIPE: invalid choice: 'mnist' (choose from cifar10, fashion_mnist, digits, seedlings)"
             in refused("benchmark_accuracy.py", "digits", "mnist"))
     # a --record_file that cannot be written is refused before the runs, not after them
-    assert "--record_file scripts is a folder: give a file name" in refused("benchmark_accuracy.py", "digits",
-                                                                            "--record_file", "scripts")
+    assert "--record_file scripts: a folder: give a file name" in refused("benchmark_accuracy.py", "digits",
+                                                                          "--record_file", "scripts")
     assert "the folder nowhere does not exist" in refused("benchmark_accuracy.py", "digits", "--record",
                                                           "--record_file", "nowhere/record.json")
     verdict = guard.verdict

@@ -191,10 +191,12 @@ def test_a_batch_of_one_that_batch_norm_cannot_train_on_is_one_message(tmp_path)
                     "--image_size", 32, "--batch_size", 1, "--mixup_alpha", 0, "--cutmix_alpha", 0, "--output_dir",
                     tmp_path / "seedlings")
     assert_refused(result, "the model (resnet18) has a BatchNorm layer, BatchNorm2d(512), that sees 1x1 maps at 32x32")
-    from common.models import build_model
+    from common.models import build_model, check_batch_norm, describe_model
 
     for name, size in (("resnet18", 64), ("resnet18_cifar", 32)):  # 2x2 and 4x4 maps at the last stage: refused not
-        build_model(name, num_classes=3, image_size=size, batch_size=1)
+        info = describe_model(name, "abc", image_size=(size, size), normalize=((0,) * 3, (1,) * 3), dataset="folder",
+                              arguments={})
+        check_batch_norm(build_model(name, **info["model_kwargs"]), info, batch_size=1)
 
 
 def test_digits_with_a_data_dir_or_download_is_refused_not_ignored(tmp_path):
