@@ -12,7 +12,7 @@ from .data import InMemoryDataset, check_labels, download_dataset
 from .decode_cache import decode_split
 from .errors import UserError
 from .hf import find_hf_splits, is_hf
-from .images import archive_note, check_classes, list_image_folder
+from .images import IMAGE_EXTENSIONS, archive_note, check_classes, folder_entries, list_image_folder
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -37,6 +37,13 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
         if root.name in ("train", "test", "val") and _find_cifar10(whole) == ("folder", whole):
             raise UserError(f"no CIFAR-10 found at {root}: it is a split of the ImageFolder tree {whole}, which the "
                             f"script reads whole (train/ to train, the other to test): pass --data_dir {whole}")
+        images = root / "train" if (root / "train").is_dir() else root  # class folders, no held-out split beside
+        if root.is_dir() and _holds_class_folders(images):
+            base = root.parent if root.name == "train" else root
+            split = base.with_name(f"{base.name}-split")
+            raise UserError(f"no CIFAR-10 found at {root}: {images} holds class folders but nothing beside them to "
+                            f"test on (test/ or val/). Hold some out: python scripts/split_dataset.py {images} {split} "
+                            f"--val_fraction 0.1 (stratified), then --data_dir {split}")
         raise UserError(
             f"no CIFAR-10 found at {root}{archive}. Accepted layouts: {root}/cifar-10-batches-py/ (the official python "
             f"batches), {root}/cifar-10-python.tar.gz, an ImageFolder tree {root}/train/<class>/*.jpg + "
@@ -54,6 +61,13 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
                             f"{train.classes} vs {test.classes}")
         return train, test
     return _cifar10_from_batches(kind, path)
+
+
+def _holds_class_folders(folder):
+    """Whether `folder`'s first folder holds images (a class of an ImageFolder tree, not a dataset of a data/)."""
+    classes = sorted(name for name, kind in folder_entries(folder) if kind == "dir")
+    return bool(classes) and any(kind == "file" and Path(name).suffix.lower() in IMAGE_EXTENSIONS
+                                 for name, kind in folder_entries(folder / classes[0]))
 
 
 def _held_out_folder(folder):

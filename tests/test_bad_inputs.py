@@ -385,6 +385,24 @@ def test_a_cifar_data_dir_one_level_too_deep_names_the_tree_above(cifar_jpegs):
             build_cifar10(cifar_jpegs / split)
 
 
+def test_cifar_class_folders_with_nothing_to_test_on_say_how_to_hold_some_out(tmp_path, cifar_jpegs):
+    """The shared CIFAR-10 JPEGs unpack as cifar10/train/<class>/ alone: the script needs a held-out folder too."""
+    only_train = tmp_path / "cifar10"
+    shutil.copytree(cifar_jpegs / "train", only_train / "train")
+    for given in (only_train, only_train / "train"):
+        with pytest.raises(UserError, match=re.escape(
+                f"no CIFAR-10 found at {given}: {only_train / 'train'} holds class folders but nothing beside them to "
+                f"test on (test/ or val/). Hold some out: python scripts/split_dataset.py {only_train / 'train'} "
+                f"{tmp_path / 'cifar10-split'} --val_fraction 0.1 (stratified), then --data_dir "
+                f"{tmp_path / 'cifar10-split'}")):
+            build_cifar10(given)
+    with pytest.raises(UserError, match=r"no CIFAR-10 found at .*\. Accepted layouts:"):
+        build_cifar10(tmp_path)  # a folder of datasets, not of classes: the layouts
+    assert script("split_dataset.py", only_train / "train", tmp_path / "cifar10-split", "--val_fraction",
+                  0.1).returncode == 0  # the command it gives works
+    assert build_cifar10(tmp_path / "cifar10-split")[1].classes == sorted(p.name for p in only_train.glob("train/*"))
+
+
 def test_hf_prefix_on_a_plain_folder_says_to_drop_it(tmp_path, cifar_jpegs):
     with pytest.raises(UserError, match=r"neither one written by save_to_disk nor one of data files.*without hf:"):
         build_cifar10(f"hf:{cifar_jpegs}")
