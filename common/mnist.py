@@ -18,6 +18,8 @@ FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
 IDX_FILES = {"train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
              "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte"}
 TORCHVISION_FOLDERS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
+# the first ten labels of each official 60,000-image training set: which of the two a folder holds
+FIRST_LABELS = {"mnist": [5, 0, 4, 1, 9, 2, 1, 3, 1, 4], "fashion_mnist": [9, 0, 0, 3, 0, 2, 7, 2, 5, 5]}
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # apt-get install dataset-fashion-mnist
 
 
@@ -89,6 +91,12 @@ def build_mnist(data_dir, *, name="mnist", download=False, accelerator=None, hf_
     if arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
         raise UserError(f"the training images in {found} are {arrays['train_images'].shape[1:]} pixels but the test "
                         f"images are {arrays['test_images'].shape[1:]}: both must come from the same dataset")
+    labels = arrays["train_labels"]
+    other = next((kind for kind, first in FIRST_LABELS.items() if kind != name and len(labels) == 60000
+                  and labels[:10].tolist() == first), None)
+    if other:  # else the images would be trained and reported under the other set's class names
+        raise UserError(f"{found} holds the {other} files (their labels begin as that set's do), and --dataset "
+                        f"{name} would name their classes as {name}'s: pass --dataset {other}")
     classes = FASHION_MNIST_CLASSES if name == "fashion_mnist" else MNIST_CLASSES
 
     def dataset(split):

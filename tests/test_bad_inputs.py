@@ -27,7 +27,7 @@ from common.flags import ArgumentParser
 from common.folders import find_splits
 from common.images import read_image
 from common.tools import find_images
-from conftest import REPO, load_script, script, write_idx
+from conftest import FASHION_MNIST, REPO, load_script, require, script, write_idx
 
 SCRIPTS = REPO / "scripts"
 ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
@@ -376,6 +376,27 @@ def test_cifar_archive_that_is_not_a_tarball_says_how_to_fix_it_and_download_rep
     with pytest.raises(UserError, match=r"--download: could not fetch MNIST") as offline:
         build_mnist(tmp_path / "mnist", name="mnist", download=True)
     assert "\n" not in str(offline.value)  # torchvision's lines (a mirror each) joined into the one message
+
+
+def test_mnist_and_fashion_mnist_files_given_as_the_other_are_named(tmp_path):
+    """The two sets' IDX files look alike: read as the other, their images would train and be reported under the
+    other set's class names. The official training sets are told apart by their first labels."""
+    require(FASHION_MNIST / "train-labels-idx1-ubyte.gz", "apt-get install -y dataset-fashion-mnist")
+    with pytest.raises(UserError, match=re.escape(f"{FASHION_MNIST} holds the fashion_mnist files (their labels begin "
+                                                  "as that set's do), and --dataset mnist would name their classes as "
+                                                  "mnist's: pass --dataset fashion_mnist")):
+        build_mnist(FASHION_MNIST, name="mnist")
+    labels = np.arange(60000, dtype=np.uint8) % 10  # MNIST's training labels begin 5 0 4 1 9 2 1 3 1 4
+    labels[:10] = [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
+    for split, count in (("train", 60000), ("t10k", 10)):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte", np.zeros((count, 28, 28), np.uint8))
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels[:count])
+    with pytest.raises(UserError, match=r"holds the mnist files .* pass --dataset mnist$"):
+        build_mnist(tmp_path, name="fashion_mnist")
+    assert len(build_mnist(tmp_path, name="mnist")[0]) == 60000
+    labels[0] = 6  # any other set in IDX files is read as it is named
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels)
+    assert build_mnist(tmp_path, name="fashion_mnist")[0].classes[0] == "T-shirt/top"
 
 
 def test_a_cifar_data_dir_one_level_too_deep_names_the_tree_above(cifar_jpegs):
