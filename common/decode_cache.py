@@ -24,7 +24,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
 from .data import InMemoryDataset
-from .errors import UserError
+from .errors import UserError, sigterm_deferred
 from .images import build_eval_transform, read_image
 from .outputs import publish, remove, write_if_possible
 
@@ -163,25 +163,25 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
     machine, rank, processes = (_machine(accelerator) if accelerator and accelerator.num_processes > 1
                                 else (0, 0, 1))
     tmp = None
-    if path is not None and rank == 0:
-        _remove_dead_leftovers(path)
-        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp.npy")
-        try:
-            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), *shape)).flush()
-            with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
-                os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
-        except OSError:  # a full disk, or a read-only one
-            remove(tmp)
-            tmp = None
-    if processes > 1:  # the machine's main process names its file to the machine's other processes
-        tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
-    if tmp is None:
-        results = _decode_all(decode, files)
-        blank = torch.zeros(shape, dtype=torch.uint8)
-        images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
-        return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
-    rows = range(rank, len(files), processes)
-    try:
+    try:  # from the moment the file is made: a Ctrl-C, a SIGTERM (common.errors.Terminated), a lost process
+        if path is not None and rank == 0:
+            _remove_dead_leftovers(path)
+            tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp.npy")
+            try:
+                np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), *shape)).flush()
+                with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
+                    os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
+            except OSError:  # a full disk, or a read-only one
+                remove(tmp)
+                tmp = None
+        if processes > 1:  # the machine's main process names its file to the machine's other processes
+            tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
+        if tmp is None:
+            results = _decode_all(decode, files)
+            blank = torch.zeros(shape, dtype=torch.uint8)
+            images = torch.stack([blank if isinstance(result, Exception) else result for result in results])
+            return [(str(f), f"{r}") for f, r in zip(files, results) if isinstance(r, Exception)], [len(files)], images
+        rows = range(rank, len(files), processes)
         mine = _decode_rows(decode, files, rows, tmp)
         if accelerator is None or accelerator.num_processes == 1:
             bad, shares = mine, [len(rows)]
@@ -190,8 +190,8 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
             bad = list(dict(bad).items())  # several machines: each image decoded once on each
         if rank == 0:
             publish(tmp, path)
-    except BaseException:  # Ctrl-C, a lost process: the half-written file, as big as the cache, not left in the data
-        if rank == 0:
+    except BaseException:  # the half-written file, as big as the cache, not left in the data
+        if rank == 0 and tmp is not None:
             remove(tmp)
         raise
     if accelerator:
@@ -216,7 +216,8 @@ def _decode_rows(decode, files, rows, path):
         receive, send = context.Pipe(duplex=False)
         inherited = [receive, *(earlier for _, earlier, _ in helpers)]  # the read ends the fork copies
         helper = context.Process(target=_helper, args=(decode, files, part, path, send, inherited), daemon=True)
-        helper.start()
+        with sigterm_deferred():
+            helper.start()
         send.close()
         helpers.append((helper, receive, part))
     bad = _write_rows(decode, files, rows[0::workers], path, threads=False)

@@ -1,6 +1,7 @@
 """User errors and exit codes: a mistake the user can fix is one `error:` line and exit code 2, never a traceback."""
 
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -25,6 +26,45 @@ class Interrupted(Exception):
     """The run saved a checkpoint and stopped because it was asked to (SIGTERM); the message is already printed."""
 
 
+class Terminated(BaseException):
+    """SIGTERM before a training run takes it over (common.run.catch_sigterm: it then saves and stops at a step):
+    the process ends as after Ctrl-C, through its cleanups (a half-written decode cache removed, the run folder's
+    lock released), instead of dying where it stood."""
+
+
+TERMINATED = []  # the SIGTERM `_terminated` raised on: a raise that lands in code which swallows it (an at-fork
+# hook, a __del__) leaves this, which catch_sigterm raises again before the run's first step
+
+
+def _terminated(signum, frame):
+    TERMINATED.append(signum)
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_deferred():
+    """Where `Terminated` raised would be swallowed (a fork's at-fork hooks, which Python runs in this process and
+    which ignore what they raise), SIGTERM is only noted, and raised once the block is done."""
+    if signal.getsignal(signal.SIGTERM) is not _terminated:
+        yield
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: TERMINATED.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, _terminated)
+    if TERMINATED:
+        raise Terminated
+
+
+def _default_sigterm_in_a_fork():  # a process forked meanwhile (a decode helper) ends on SIGTERM as it did
+    if signal.getsignal(signal.SIGTERM) is _terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_sigterm_in_a_fork)
+
+
 # At exit the interpreter's last collections walk every object that torch, scikit-learn and matplotlib made: 2-3 s
 # of a 2-process launch's teardown on 2 cores. Frozen, they are skipped; the process ends, so what they would have
 # freed goes back with it. What must happen at exit is an atexit handler (the run folder's lock, unlock_output_dirs),
@@ -46,6 +86,7 @@ def refuse_several_processes(tool):
 
 def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         call_main(main, args)
     except SystemExit as stop:
@@ -86,6 +127,11 @@ def call_main(main, args):
             print(done, flush=True)
         sys.exit(0)
     except Interrupted:
+        sys.exit(143)
+    except Terminated:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print("stopped by SIGTERM (a preemption, a time limit, kill): nothing half-written was left; run the "
+                  "same command again", file=sys.stderr, flush=True)
         sys.exit(143)
     except KeyboardInterrupt:
         # Under a launcher Ctrl-C stops the launcher itself, which passes it on to every process and ends with its

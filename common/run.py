@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import STARTED, BatchNormMerge
-from .errors import Interrupted, UserError
+from .errors import TERMINATED, Interrupted, Terminated, UserError
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, set_aside_earlier_run, unlock_output_dirs
@@ -60,7 +60,11 @@ _signals_received = []
 
 
 def catch_sigterm():
-    """SIGTERM (Slurm, Kubernetes; torchrun passes it on, then SIGKILLs 30 s later) now only sets a flag."""
+    """SIGTERM (Slurm, Kubernetes; torchrun passes it on, then SIGKILLs 30 s later) now only sets a flag; one that
+    came before and was swallowed where it landed (common.errors.TERMINATED) ends the run here, before its first
+    step."""
+    if TERMINATED:
+        raise Terminated
     signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
 
 

@@ -248,6 +248,36 @@ def test_ctrl_c_is_said_once_and_ends_every_process_of_the_run(tmp_path, seedlin
     assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_before_training_ends_the_run_through_its_cleanups(tmp_path, cifar_jpegs, processes):
+    """A preemption while the images are checked and decoded (before the run catches SIGTERM to save at a step):
+    every process ends at once with one message, and leaves neither its half-written decode cache beside the data
+    nor an empty run folder holding its lock (SIGTERM's default killed them where they stood)."""
+    data = tmp_path / "data"
+    for n, image in enumerate(sorted((cifar_jpegs / "train").rglob("*.jpg")) * 40):  # thousands: a decode to catch
+        (data / image.parent.name).mkdir(parents=True, exist_ok=True)
+        os.link(image, data / image.parent.name / f"{n}.jpg")
+    args = ["--data_dir", data, "--output_dir", tmp_path / "new" / "run", "--model", "test_resnet", "--image_size",
+            32, "--epochs", 1, "--mixup_alpha", 0, "--cutmix_alpha", 0]  # the decode cache on, as by default
+    command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
+                                                                                          *args]
+    log, family = tmp_path / "log", set()
+    process = spawn(command, log=log)
+    try:
+        wait_for(lambda: family.update(descendants(process.pid)) or list(data.glob(".*.tmp.npy")), process)
+        os.kill(process.pid, signal.SIGTERM)  # the launcher passes it on, as Slurm's or a pod's stop does
+        code = process.wait(timeout=60)
+    finally:
+        kill_everything(process)
+    output = log.read_text()
+    assert code == 143 if processes == 1 else code != 0, output
+    assert output.count("stopped by SIGTERM (a preemption, a time limit, kill): nothing half-written was left; run "
+                        "the same command again") == 1, output
+    assert "Terminated" not in output and family and all_gone(family), output
+    assert not list(data.glob(".*tmp*")) and not (tmp_path / "new").exists()
+
+
 # ---- one run writes a run folder at a time ----
 
 DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
