@@ -38,7 +38,12 @@ def list_image_folder(root):
                         f"expected a folder of class folders, {root}/<class>/<image>.png")
     classes = sorted(name for name, kind in folder_entries(root) if kind == "dir")
     if not classes:
-        raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png")
+        names = [name for name, _ in folder_entries(root)]
+        other = ("MNIST-style IDX files, which scripts/train_mnist.py reads" if any("-idx" in n for n in names) else
+                 "CIFAR-10's python batches, which scripts/train_cifar.py reads"
+                 if any(n.startswith(("data_batch_", "cifar-10-")) for n in names) else None)
+        raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png"
+                        + (f" (it holds {other})" if other else ""))
     files, labels, skipped = [], [], []
     for label, name in enumerate(classes):
         listed = sorted(folder_entries(root / name))

@@ -386,6 +386,9 @@ def test_mnist_and_fashion_mnist_files_given_as_the_other_are_named(tmp_path):
                                                   "as that set's do), and --dataset mnist would name their classes as "
                                                   "mnist's: pass --dataset fashion_mnist")):
         build_mnist(FASHION_MNIST, name="mnist")
+    with pytest.raises(UserError, match=r"has no class folders: .* \(it holds MNIST-style IDX files, which "
+                                        r"scripts/train_mnist.py reads\)$"):
+        find_splits(FASHION_MNIST, val_fraction=0.3, seed=42)  # train_seedlings.py on them
     labels = np.arange(60000, dtype=np.uint8) % 10  # MNIST's training labels begin 5 0 4 1 9 2 1 3 1 4
     labels[:10] = [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
     for split, count in (("train", 60000), ("t10k", 10)):

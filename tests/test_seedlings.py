@@ -70,8 +70,13 @@ def test_compute_mean_std_is_exact(seedlings, tmp_path):
 
 
 def test_bad_folders_are_named(tmp_path, seedlings):
-    with pytest.raises(UserError, match="has no class folders"):
+    with pytest.raises(UserError, match="has no class folders: expected .*png$"):
         list_image_folder(tmp_path)
+    (tmp_path / "batches").mkdir()  # another script's data: named
+    (tmp_path / "batches" / "data_batch_1").write_bytes(b"")
+    with pytest.raises(UserError, match=r"\(it holds CIFAR-10's python batches, which scripts/train_cifar.py reads\)"):
+        list_image_folder(tmp_path / "batches")
+    shutil.rmtree(tmp_path / "batches")
     with pytest.raises(UserError, match="not found"):
         list_image_folder(tmp_path / "missing")
     (tmp_path / "a").mkdir()
