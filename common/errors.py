@@ -105,6 +105,8 @@ def end_process(code):
     if code is not None and not isinstance(code, int):  # sys.exit("message"), as the interpreter shows it
         print(code, file=sys.stderr)
         code = 1
+    if signal.getsignal(signal.SIGTERM) is _terminated:  # nothing left to stop: raised now, it would be a traceback
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
