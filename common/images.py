@@ -36,10 +36,12 @@ def list_image_folder(root):
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' + archive_note(root) if root.exists() else 'not found'}: "
                         f"expected a folder of class folders, {root}/<class>/<image>.png")
-    classes = sorted(name for name, kind in folder_entries(root) if kind == "dir")
+    entries = folder_entries(root)
+    classes = sorted(name for name, kind in entries if kind == "dir")
     if not classes:
-        names = [name for name, _ in folder_entries(root)]
-        other = ("MNIST-style IDX files, which scripts/train_mnist.py reads" if any("-idx" in n for n in names) else
+        names = [name for name, _ in entries]
+        other = ("MNIST-style IDX files, which scripts/train_mnist.py reads"  # -idx3-ubyte, or a mirror's .idx3-ubyte
+                 if any("idx" in n and "ubyte" in n for n in names) else
                  "CIFAR-10's python batches, which scripts/train_cifar.py reads"
                  if any(n.startswith(("data_batch_", "cifar-10-")) for n in names) else None)
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png"

@@ -107,10 +107,10 @@ def split_once(data_dir, work_dir, *, derived=()):
     if source.is_file() and source.read_text() == str(data_dir.resolve()) and split.is_dir():
         return split, False
     ours = [split, *(work_dir / name for name in derived)]
-    for folder in ours if not source.is_file() else ():  # no split of ours there: a split/ is the user's
-        if folder.exists() or folder.is_symlink():
-            raise UserError(f"--work_dir {work_dir} holds {folder.name}/, which this tool did not make (no "
-                            f"{source.name} beside it) and would replace: choose another --work_dir")
+    theirs = [] if source.is_file() else [folder for folder in ours if folder.exists() or folder.is_symlink()]
+    if theirs:  # no split of ours there: a split/ is the user's
+        raise UserError(f"--work_dir {work_dir} holds {theirs[0].name}/, which this tool did not make (no "
+                        f"{source.name} beside it) and would replace: choose another --work_dir")
     for item in (source, *ours):
         remove(item)
     if (data_dir / "train").is_dir() and (data_dir / "val").is_dir():

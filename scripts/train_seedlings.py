@@ -121,14 +121,14 @@ def check_streaming(args):
 def main(args):
     # --resume: the checkpoint's arguments, but for the loading flags
     args, checkpoint = resolve_args(args, parse_args=parse_args)
-    check_model_name(args.model, image_size=args.image_size)  # before the images are read, as --pretrained is
-    pretrained = read_pretrained(args.model, args.pretrained) if args.pretrained and not checkpoint else None
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if mixing and args.batch_size % 2:
         raise UserError(f"mixup/cutmix mix each batch with its mirror image and need an even --batch_size, got "
                         f"{args.batch_size}; or turn them off with --mixup_alpha 0 --cutmix_alpha 0")
     if args.streaming:
         check_streaming(args)
+    check_model_name(args.model, image_size=args.image_size)  # before the images are read, as --pretrained is
+    pretrained = read_pretrained(args.model, args.pretrained) if args.pretrained and not checkpoint else None
     accelerator = build_accelerator(mixed_precision=args.mixed_precision, compile=args.compile,
                                     grad_accum=args.grad_accum, report_to=(args.report_to, args.output_dir),
                                     dist_timeout=args.dist_timeout)
