@@ -410,6 +410,9 @@ def test_a_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     found = re.search(r"error: the loss became nan or inf at optimizer step (\d+) \(epoch 1\); training stopped "
                       r"there and saved nothing after it", result.output)
     assert found, result.output
+    # the values to lower are named, this run's with them
+    assert ("The run diverged (peak LR 1e+06, weight decay 0.0001, gradients not clipped): start again with a lower "
+            "--lr or --weight_decay, --max_grad_norm 1.0") in result.output
     bad_step = int(found.group(1))
     checkpoints = sorted((output_dir / "checkpoints").glob("epoch_*"))
     assert checkpoints, "the steps before the nan were checkpointed"
