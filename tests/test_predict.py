@@ -54,6 +54,7 @@ def test_predict_matches_the_best_epochs_evaluation_image_by_image(digits_run, t
                      tmp_path / "images" / f"0000_label{int(test.labels[0])}.png")
     assert result.returncode == 0, result.output
     assert "warning: --top_k 50 is more than the model's 10 classes: each row lists all 10" in result.output
+    assert f"predicted 1 image -> {tmp_path / 'all.csv'}" in result.output
     header = next(csv.reader(open(tmp_path / "all.csv")))
     assert header[-2:] == ["class_10", "probability_10"] and len(header) == 21
 
