@@ -7,6 +7,7 @@ description, the arguments). Resuming unpickles only through `torch.load(weights
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -165,8 +166,9 @@ def find_checkpoint(output_dir, resume):
     choose = (f"Pass one of {', '.join(str(checkpoints / name) for name in others)}" if others
               else "Check --output_dir, or start a new run without --resume") + "."
     if (output_dir / PREVIOUS_RUN).is_dir():
-        choose += (f" The run an --overwrite replaced is in {output_dir / PREVIOUS_RUN}: move its files back into "
-                   f"{output_dir} to continue it.")
+        choose += (f" {output_dir / PREVIOUS_RUN} holds what was set aside until a first checkpoint (the run an "
+                   "--overwrite replaced, or the later checkpoints of a run resumed from an older one): move its files "
+                   f"back into {output_dir} to continue from them.")
     if resume == "latest":
         pointer, earlier = checkpoints / "latest", earlier_run(output_dir)
         if not pointer.is_file() and earlier:
@@ -299,7 +301,7 @@ def load_checkpoint(accelerator, checkpoint, *, model, lr_scheduler, model_info,
         raise UserError(f"checkpoint {path} is damaged ({error}); resume from an earlier one in "
                         f"{path.parent}") from None
     if accelerator.is_main_process:
-        drop_later_checkpoints(output_dir, path)
+        set_aside_later_checkpoints(output_dir, path)
         truncate_metrics(output_dir, before_epoch=checkpoint["epoch"])
     accelerator.wait_for_everyone()
 
@@ -318,12 +320,25 @@ def finished_because(checkpoint, *, epochs, max_steps=None, patience=None):
     return None
 
 
-def drop_later_checkpoints(output_dir, path):
-    """A run resumed from an older checkpoint of its own goes on from there (main process)."""
-    checkpoints, path = Path(output_dir) / "checkpoints", Path(path)
+def set_aside_later_checkpoints(output_dir, path):
+    """A run resumed from an older checkpoint of its own goes on from there (main process): its later checkpoints,
+    and metrics.jsonl as it was, go into previous_run/ until the resumed run's first checkpoint (a mistaken --resume
+    stopped before then has lost nothing)."""
+    output_dir, path = Path(output_dir), Path(path)
+    checkpoints = output_dir / "checkpoints"
     if path.resolve().parent != checkpoints.resolve():
         return  # a checkpoint of another folder: this one holds no later checkpoints of that run
-    for later in checkpoints.glob("epoch_*"):
-        if later.name > path.name:
-            remove(later)
+    later = sorted(checkpoint for checkpoint in checkpoints.glob("epoch_*") if checkpoint.name > path.name)
+    if later:
+        previous = output_dir / PREVIOUS_RUN
+        with failed_write_is_said(previous):
+            (previous / "checkpoints").mkdir(parents=True, exist_ok=True)
+            if (output_dir / "metrics.jsonl").exists() and not (previous / "metrics.jsonl").exists():
+                shutil.copy2(output_dir / "metrics.jsonl", previous / "metrics.jsonl")
+            for checkpoint in later:
+                remove(previous / "checkpoints" / checkpoint.name)  # a name left by an earlier going back
+                os.replace(checkpoint, previous / "checkpoints" / checkpoint.name)
+        names = later[0].name + (f" to {later[-1].name}" if len(later) > 1 else "")
+        print(f"going back to {path.name}: the {len(later)} later checkpoint(s) ({names}) and metrics.jsonl as it "
+              f"was are in {previous} until this run's first checkpoint, which deletes them", flush=True)
     write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))

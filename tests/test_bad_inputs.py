@@ -711,7 +711,9 @@ def test_overwrite_that_fails_in_training_keeps_the_earlier_run_whole_in_previou
     # nothing of the old run is left at the top, half old and half new; the user's file did not move
     assert sorted(p.name for p in finished_run.iterdir()) == ["previous_run", "slurm-1234.out"]
     result = script("train_mnist.py", "--dataset", "digits", "--resume", "latest", "--output_dir", finished_run)
-    assert_refused(result, f"The run an --overwrite replaced is in {finished_run / 'previous_run'}: move its files")
+    assert_refused(result, f"{finished_run / 'previous_run'} holds what was set aside until a first checkpoint (the "
+                           "run an --overwrite replaced, or the later checkpoints of a run resumed from an older one): "
+                           "move its files back")
 
 
 @pytest.mark.slow

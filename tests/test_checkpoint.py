@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from common.outputs import publish
 from common.run import checkpoint_name
 from common.errors import UserError
-from common.checkpoint import restore_args
+from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
                       launch_command, launch_warm, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
@@ -267,8 +267,33 @@ def test_resume_from_an_older_checkpoint_with_no_other_flags_matches(tmp_path, r
     result = train("--output_dir", output_dir, "--resume", older)
     assert result.returncode == 0, result.output
     assert f"resumed from {older}: epoch 2, batch {int(older.name[-6:])}" in result.output
+    later = sorted(p.name for p in (reference(1) / "checkpoints").glob("epoch_*") if p.name > older.name)
+    assert (f"going back to {older.name}: the {len(later)} later checkpoint(s) ({later[0]} to {later[-1]}) and "
+            f"metrics.jsonl as it was are in {output_dir / 'previous_run'} until this run's first checkpoint, which "
+            "deletes them") in result.output
     assert not list((output_dir / "checkpoints").glob("epoch_003_batch_*"))  # the old future is gone
+    assert not (output_dir / "previous_run").exists()  # deleted at the first checkpoint
     assert_same_run(output_dir, reference(1))
+
+
+@pytest.mark.slow
+def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_first_new_one(tmp_path, reference):
+    """Until the resumed run's first checkpoint a mistaken --resume has lost nothing: what it would drop is in
+    previous_run/, whole (a stop before then leaves it there; the next checkpoint deletes it, test above)."""
+    output_dir = shutil.copytree(reference(1), tmp_path / "run")
+    names = sorted(p.name for p in (output_dir / "checkpoints").glob("epoch_*"))
+    metrics = (output_dir / "metrics.jsonl").read_bytes()
+    def contents(folder):
+        return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+    before = {name: contents(output_dir / "checkpoints" / name) for name in names}
+    set_aside_later_checkpoints(output_dir, output_dir / "checkpoints" / names[0])
+    assert sorted(p.name for p in (output_dir / "checkpoints").glob("epoch_*")) == names[:1]
+    assert (output_dir / "checkpoints" / "latest").read_text() == names[0] + "\n"
+    previous = output_dir / "previous_run"
+    assert {name: contents(previous / "checkpoints" / name) for name in names[1:]} == {
+        name: before[name] for name in names[1:]}
+    assert (previous / "metrics.jsonl").read_bytes() == metrics
 
 
 @pytest.mark.slow
