@@ -383,10 +383,11 @@ class TrainingRun:
         self._next_look = self.step + max(1, min(CHECK_EVERY, int(1000 * LOOK_SECONDS / max(1, slowest_step_ms))))
         self._last_look = (self.step, now)
         if nonfinite != NO_STEP:
-            group, clip = self.lr_scheduler.optimizer.param_groups[0], self.model_info["args"].get("max_grad_norm")
+            peak, clip = self.lr_scheduler.base_lrs[0], self.model_info["args"].get("max_grad_norm")
+            group = self.lr_scheduler.optimizer.param_groups[0]
             raise NonFiniteLoss(f"the loss became nan or inf at optimizer step {nonfinite} (epoch {self.epoch}); "
                                 "training stopped there and saved nothing after it, so the checkpoints and best/ hold "
-                                f"only states from before. The run diverged (peak LR {self.lr_scheduler.base_lrs[0]:g}, "
+                                f"only states from before. The run diverged (peak LR {peak:g}, "
                                 f"weight decay {group.get('weight_decay', 0):g}, "
                                 f"{f'gradients clipped to norm {clip:g}' if clip else 'gradients not clipped'}): start "
                                 "again with a lower --lr or --weight_decay, --max_grad_norm 1.0, or bf16 instead of "

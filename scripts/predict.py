@@ -104,7 +104,8 @@ def main(args):
         write_atomically(args.output, write)
     skipped = len(paths) - len(rows)
     tta = describe_tta(args.tta)
-    accelerator.print(f"predicted {len(rows)} image{'s' * (len(rows) != 1)}{f' ({tta})' if tta else ''} -> {args.output}"
+    images = f"{len(rows)} image{'s' * (len(rows) != 1)}"
+    accelerator.print(f"predicted {images}{f' ({tta})' if tta else ''} -> {args.output}"
                       + (f"; skipped {skipped} unreadable" if skipped else ""))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process

@@ -284,7 +284,7 @@ def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_f
     names = sorted(p.name for p in (output_dir / "checkpoints").glob("epoch_*"))
     metrics = (output_dir / "metrics.jsonl").read_bytes()
     def contents(folder):
-        return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+        return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
     before = {name: contents(output_dir / "checkpoints" / name) for name in names}
     set_aside_later_checkpoints(output_dir, output_dir / "checkpoints" / names[0])
