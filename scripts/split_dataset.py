@@ -18,6 +18,11 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
+try:  # a copy of this script needs the folder of what the scripts share (docs/recipes.md)
+    import common.errors  # noqa: E402, F401
+except ModuleNotFoundError as missing:
+    sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
+             f"({missing}): copy common/ into your repository too")
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, seed  # noqa: E402
 from common.images import list_image_folder, split_dataset  # noqa: E402

@@ -138,6 +138,31 @@ def test_a_bad_flag_in_a_real_run_is_one_line_and_exit_2():
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+COPIED = ["train_cifar.py", "train_mnist.py", "train_seedlings.py", "evaluate.py", "predict.py", "export.py",
+          "split_dataset.py", "compute_mean_std.py"]  # the scripts a user copies into a repository
+
+
+def test_a_script_copied_without_common_says_to_copy_it_too(tmp_path):
+    """Copied alone (scripts/X.py in another repository), or next to a common/ package of the user's own: one line
+    naming what is missing, before any work (each in a fresh interpreter, as a copy starts)."""
+    alone, foreign = tmp_path / "repo" / "scripts", tmp_path / "other"
+    alone.mkdir(parents=True)
+    (foreign / "common").mkdir(parents=True)
+    (foreign / "common" / "__init__.py").write_text("")
+    runs = []
+    for name in COPIED:
+        folder = alone if name.startswith("train") else foreign
+        shutil.copy(SCRIPTS / name, folder / name)
+        runs.append(subprocess.Popen([sys.executable, folder / name, *TOOLS[name]], cwd=tmp_path,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for name, run in zip(COPIED, runs):
+        output = run.communicate(timeout=120)[0]
+        missing = "common" if name.startswith("train") else "common.errors"
+        assert run.returncode == 1 and output == (
+            f"error: {name} needs the common/ folder it came with, beside it or one folder up (No module named "
+            f"'{missing}'): copy common/ into your repository too\n"), output
+
+
 def test_a_dataset_still_in_its_archive_or_a_file_of_it_as_data_dir_says_what_to_pass(tmp_path):
     seedlings = ODD_IMAGES.parent / "seedlings"
     archives = {"zip": shutil.make_archive(tmp_path / "plants", "zip", seedlings),
