@@ -71,7 +71,8 @@ def is_hidden(name):
 
 def folder_entries(folder):
     """(name, "file" or "dir") of a folder's entries that are not hidden (`is_hidden`). os.scandir gives the type
-    without a stat per file (a million files: seconds, not minutes)."""
+    without a stat per file (a million files: seconds, not minutes). Names that are not text are refused
+    (`check_names`)."""
     found = []
     for entry in os.scandir(folder):
         if is_hidden(entry.name):
@@ -81,7 +82,26 @@ def folder_entries(folder):
         except OSError:  # is_file() follows links, and raises on a loop
             kind = entry_kind(entry.path)
         found.append((entry.name, kind))
+    check_names([folder, *(Path(folder) / name for name, _ in found)])
     return found
+
+
+def check_names(paths):
+    """Refuse paths whose names are not UTF-8 text (an old zip's Latin-1 names, say: Python holds their bytes as
+    surrogates), which the log, the CSV files and the reports that name images could not write: one message with
+    the fix, before any work, instead of a traceback at the end of a run."""
+    bad = []
+    for path in map(str, paths):
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            bad.append(path)
+    if bad:
+        shown = ", ".join(repr(os.fsencode(path))[2:-1] for path in bad[:3])
+        raise UserError(f"{len(bad)} file or folder name(s) are not UTF-8 text, e.g. {shown}: the reports and CSV "
+                        "files that name images could not write them. Rename them to UTF-8: from Latin-1, an old "
+                        "zip's usual names, convmv -r -f latin1 -t utf-8 --notest FOLDER (it leaves UTF-8 names as "
+                        "they are)")
 
 
 def entry_kind(path):

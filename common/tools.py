@@ -13,7 +13,7 @@ import torch
 
 from .distributed import cpu_computes_bf16
 from .errors import UserError
-from .images import IMAGE_EXTENSIONS, entry_kind, is_hidden, read_image
+from .images import IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, read_image
 from .outputs import remove
 
 
@@ -31,6 +31,7 @@ def find_images(inputs):
             paths.append(item)
     if not paths:
         raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
+    check_names(paths)
     return paths
 
 

@@ -482,6 +482,30 @@ def test_val_fraction_typed_for_train_and_val_folders_is_refused_not_ignored(tmp
     assert len(train["files"]) == len(val["files"]) == 85
 
 
+def test_names_that_are_not_utf8_are_refused_before_any_work_naming_their_bytes(tmp_path):
+    """An old zip's Latin-1 names (b"caf\\xe9.png") stopped a run at its image check with a UnicodeEncodeError
+    traceback (its fingerprint, like the CSV files and reports, writes names as UTF-8). Refused at the listing now,
+    by every tool that lists images, for an image, a stray file or a class folder."""
+    data = shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data")
+    first = sorted((data / "Maize").iterdir())[0]
+    try:
+        os.rename(first, os.fsencode(data / "Maize") + b"/caf\xe9 \xff.png")
+    except OSError:
+        pytest.skip("this filesystem takes only UTF-8 names")
+    fix = "Rename them to UTF-8: from Latin-1, an old zip's usual names, convmv -r -f latin1 -t utf-8 --notest FOLDER"
+    named = f"1 file or folder name(s) are not UTF-8 text, e.g. {data / 'Maize'}/caf\\xe9 \\xff.png: the reports"
+    for result in (script("train_seedlings.py", "--data_dir", data, "--output_dir", tmp_path / "run"),
+                   script("predict.py", "--model_dir", "m", "--output", tmp_path / "p.csv", data / "Maize"),
+                   script("split_dataset.py", data, tmp_path / "split"),
+                   script("compute_mean_std.py", data)):
+        assert_refused(result, named, fix)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing made
+    os.rename(os.fsencode(data / "Maize") + b"/caf\xe9 \xff.png", first)
+    os.rename(data / "Maize", os.fsencode(tmp_path / "data") + b"/Ma\xefze")  # a class folder's name
+    with pytest.raises(UserError, match=r"e\.g\. .*/data/Ma\\xefze: the reports"):
+        find_splits(data, val_fraction=0.3, seed=42)
+
+
 def test_a_class_with_one_image_is_named(tmp_path):
     for name, count in (("Maize", 3), ("Cleavers", 1)):
         (tmp_path / name).mkdir()
