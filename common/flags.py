@@ -95,10 +95,16 @@ seed = number(int, min=0, max=2**32 - 1)  # what numpy's and torch's generators 
 
 
 def path(text):
-    """An argparse `type` for a path: not empty (`--output_dir ""` would be the current folder), and `~` the home
-    folder (a shell leaves it in `--output_dir=~/runs` and in quotes: a folder named ~ in the current one)."""
+    """An argparse `type` for a path: not empty (`--output_dir ""` would be the current folder), UTF-8 text, and `~`
+    the home folder (a shell leaves it in `--output_dir=~/runs` and in quotes: a folder named ~ in the current one)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a path")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding, held as surrogates: the log and the reports cannot
+        raise argparse.ArgumentTypeError(  # write them (a run trained, then stopped at its report.html)
+            f"{repr(os.fsencode(text))[2:-1]} is not UTF-8 text, which the log and the reports could not write: give "
+            "a path whose names are UTF-8 (an existing one renamed: convmv -f latin1 -t utf-8 --notest PATH)") from None
     return os.path.expanduser(text)
 
 

@@ -500,6 +500,12 @@ def test_names_that_are_not_utf8_are_refused_before_any_work_naming_their_bytes(
                    script("compute_mean_std.py", data)):
         assert_refused(result, named, fix)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing made
+    # a path given in such bytes: refused when parsed (an --output_dir's run trained, then stopped at report.html)
+    latin1 = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")
+    result = script("train_mnist.py", "--dataset", "digits", "--output_dir", latin1)
+    assert_refused(result, f"argument --output_dir: {tmp_path}/caf\\xe9 is not UTF-8 text, which the log and the "
+                           "reports could not write: give a path whose names are UTF-8")
+    assert len(result.stderr.strip().splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     os.rename(os.fsencode(data / "Maize") + b"/caf\xe9 \xff.png", first)
     os.rename(data / "Maize", os.fsencode(tmp_path / "data") + b"/Ma\xefze")  # a class folder's name
     with pytest.raises(UserError, match=r"e\.g\. .*/data/Ma\\xefze: the reports"):
