@@ -1,13 +1,14 @@
 # Two entry points for a fresh machine (Python 3.10+ with venv):
 #   make demo   set up, then train the offline digits demo with 2 CPU processes
-#   make test   set up, then run the whole test suite (installs Debian's Fashion-MNIST and headless Chromium,
-#               which opens the reports in the tests, if missing)
+#   make test   set up, then run the whole test suite (installs Debian's Fashion-MNIST, headless Chromium, which
+#               opens the reports in the tests, and a Chinese font, if missing)
 # and one for a lent GPU machine (no venv, no network there: its own python3):
 #   make bench-gpu   the whole GPU table in one device call, into $OUT (default outputs/bench-gpu); first, on the
 #                    CPU machine: python scripts/bench_gpu.py prepare --shared ../shared, then carry .bench-gpu
 VENV ?= .venv
 PYTHON ?= python3
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+CJK_FONT := /usr/share/fonts/truetype/wqy/wqy-microhei.ttc
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # pytest-xdist workers, each taking a whole test file at a time (a file's tests share its runs): 2 finish the
 # suite 1.25x sooner on 2 cores, where a launch's start and end leave a core idle (BENCHMARKS.md); 0: one process.
@@ -28,6 +29,11 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 $(FASHION_MNIST):
 	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist
 
+# a font with Chinese characters: a test draws class names in Chinese into the confusion matrix
+$(CJK_FONT):
+	$(SUDO) apt-get install -y -qq fonts-wqy-microhei || { $(SUDO) apt-get update -qq \
+		&& $(SUDO) apt-get install -y -qq fonts-wqy-microhei; }
+
 demo: setup
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_mnist.py \
 		--dataset digits --epochs 20 --output_dir outputs/digits --overwrite
@@ -36,7 +42,7 @@ browser:
 	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || { $(SUDO) apt-get update -qq \
 		&& $(SUDO) apt-get install -y -qq chromium-headless-shell || $(SUDO) apt-get install -y -qq chromium; }
 
-test: setup $(FASHION_MNIST) browser
+test: setup $(FASHION_MNIST) $(CJK_FONT) browser
 	$(PYTEST) --durations=15
 
 test-fast: setup

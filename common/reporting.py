@@ -148,6 +148,38 @@ def _pyplot():
     return plt
 
 
+def label_fonts(names):
+    """(the font families that draw `names`, or None for matplotlib's own; the names none of them can draw).
+    matplotlib's font, DejaVu Sans, has no Chinese, Japanese or Korean: where a name needs characters it lacks, the
+    machine's fonts that have them follow it in the list (matplotlib draws each character with the first font of the
+    list that has it); names that still lack one are returned, as they would be drawn as boxes."""
+    if all(name.isascii() for name in names):
+        return None, []
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    def lacks(path, characters):
+        font = FT2Font(path)
+        return {c for c in characters if not font.get_char_index(ord(c))}
+
+    families = ["DejaVu Sans"]
+    missing = lacks(font_manager.findfont(families[0]), set("".join(names)) - set(" \t"))
+    if not missing:
+        return None, []
+    for path in sorted(font_manager.findSystemFonts()):  # not the cached list: a font
+        try:  # installed after matplotlib first ran is found too
+            covered = missing - lacks(path, missing)
+        except (OSError, RuntimeError, ValueError):  # a font file FreeType cannot read
+            continue
+        if covered:
+            font_manager.fontManager.addfont(path)
+            families.append(font_manager.FontProperties(fname=path).get_name())
+            missing -= covered
+        if not missing:
+            break
+    return families, [name for name in names if missing & set(name)]
+
+
 def plot_confusion_matrix(path, matrix, class_names):
     plt = _pyplot()
     size = max(5, 0.6 * len(class_names))
@@ -155,8 +187,16 @@ def plot_confusion_matrix(path, matrix, class_names):
     image = ax.imshow(matrix, cmap="Blues")
     fig.colorbar(image, ax=ax)
     ticks = np.arange(len(class_names))
-    ax.set_xticks(ticks, class_names, rotation=45, ha="right")
-    ax.set_yticks(ticks, class_names)
+    fonts, undrawn = label_fonts(class_names)
+    if undrawn:
+        print(f"warning: no font here draws the class names {', '.join(undrawn)}: {Path(path).name} numbers them "
+              f"instead (class N, in the order of classification_report.txt); install one that has their characters "
+              "(Debian, Ubuntu: apt-get install fonts-noto-cjk for Chinese, Japanese and Korean) to see the names "
+              "there (report.html shows them as text)", flush=True)
+    labels = [f"class {i}" if name in undrawn else name for i, name in enumerate(class_names)]
+    fonts = {"fontfamily": fonts} if fonts else {}
+    ax.set_xticks(ticks, labels, rotation=45, ha="right", **fonts)
+    ax.set_yticks(ticks, labels, **fonts)
     ax.set(xlabel="predicted", ylabel="true")
     threshold = matrix.max() / 2 if matrix.size else 0
     for i, j in np.ndindex(matrix.shape):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import confusion_matrix, recall_score
 
-from conftest import REPO, assert_report_shows, launch_warm, write_idx
+from conftest import REPO, assert_report_shows, launch_warm, require, write_idx
 from common.mistakes import EXAMPLES, SHOWN, confident_learning, find_mistakes
 from common.mnist import FASHION_MNIST_CLASSES, build_mnist, read_idx
 
@@ -136,6 +136,42 @@ def test_the_curves_epoch_axes_show_whole_epochs(epochs):
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (epochs, ticks)
     plt.close(figure)
+
+
+CJK_FONT = "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc"  # Debian's fonts-wqy-microhei, which make test installs
+
+
+def test_class_names_in_chinese_are_drawn_with_a_font_that_has_them_or_numbered_and_said(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """matplotlib's own font has no Chinese: class folders named 玉米 were boxes in confusion_matrix.png. A font of
+    the machine's that has them is used (matplotlib warns of every glyph it cannot draw: none now); without one the
+    classes are numbered there, and the log says so and how to get one."""
+    import warnings
+
+    import matplotlib.font_manager
+
+    from common.reporting import label_fonts, plot_confusion_matrix
+
+    require(CJK_FONT, "apt-get install -y fonts-wqy-microhei (make test does)")
+    names, matrix = ["Maize", "玉米", "猪殃殃"], np.arange(9).reshape(3, 3)
+    assert label_fonts(["Maize", "Fat_Hen", "Ωmega"]) == (None, [])  # DejaVu Sans has them all: left as it is
+    fonts, undrawn = label_fonts(names)
+    assert fonts[0] == "DejaVu Sans" and "WenQuanYi Micro Hei" in fonts[1:] and undrawn == []
+
+    def glyphs_missing(path):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plot_confusion_matrix(path, matrix, names)
+        return [str(warning.message) for warning in caught if "missing from font" in str(warning.message)]
+
+    assert glyphs_missing(tmp_path / "drawn.png") == [] and capsys.readouterr().out == ""
+    monkeypatch.setattr(matplotlib.font_manager, "findSystemFonts", lambda *args, **kwargs: [])  # no such font
+    assert glyphs_missing(tmp_path / "numbered.png") == []
+    assert capsys.readouterr().out == (
+        "warning: no font here draws the class names 玉米, 猪殃殃: numbered.png numbers them instead (class N, in the "
+        "order of classification_report.txt); install one that has their characters (Debian, Ubuntu: apt-get install "
+        "fonts-noto-cjk for Chinese, Japanese and Korean) to see the names there (report.html shows them as text)\n")
+    assert (tmp_path / "drawn.png").read_bytes() != (tmp_path / "numbered.png").read_bytes()
 
 
 def test_the_confusion_matrix_counts_as_scikit_learn_counts_it():
