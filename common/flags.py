@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, exit_with_message
+from .images import not_utf8
 from .optim import SCHEDULES
 
 
@@ -99,12 +100,10 @@ def path(text):
     the home folder (a shell leaves it in `--output_dir=~/runs` and in quotes: a folder named ~ in the current one)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a path")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # bytes of another encoding, held as surrogates: the log and the reports cannot
-        raise argparse.ArgumentTypeError(  # write them (a run trained, then stopped at its report.html)
-            f"{repr(os.fsencode(text))[2:-1]} is not UTF-8 text, which the log and the reports could not write: give "
-            "a path whose names are UTF-8 (an existing one renamed: convmv -f latin1 -t utf-8 --notest PATH)") from None
+    if not_utf8([text]):  # a run given such an --output_dir trained, then stopped at its report.html
+        raise argparse.ArgumentTypeError(
+            f"{not_utf8([text])[0]} is not UTF-8 text, which the log and the reports could not write: give a path "
+            "whose names are UTF-8 (an existing one renamed: convmv -f latin1 -t utf-8 --notest PATH)")
     return os.path.expanduser(text)
 
 

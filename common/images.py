@@ -87,21 +87,27 @@ def folder_entries(folder):
 
 
 def check_names(paths):
-    """Refuse paths whose names are not UTF-8 text (an old zip's Latin-1 names, say: Python holds their bytes as
-    surrogates), which the log, the CSV files and the reports that name images could not write: one message with
-    the fix, before any work, instead of a traceback at the end of a run."""
+    """Refuse paths whose names are not UTF-8 text (an old zip's Latin-1 names, say), which the log, the CSV files
+    and the reports that name images could not write: one message with the fix, before any work, instead of a
+    traceback."""
+    bad = not_utf8(paths)
+    if bad:
+        raise UserError(f"{len(bad)} file or folder name(s) are not UTF-8 text, e.g. {', '.join(bad[:3])}: the "
+                        "reports and CSV files that name images could not write them. Rename them to UTF-8: from "
+                        "Latin-1, an old zip's usual names, convmv -r -f latin1 -t utf-8 --notest FOLDER (it leaves "
+                        "UTF-8 names as they are)")
+
+
+def not_utf8(paths):
+    """Those of `paths` that are not UTF-8 text (bytes of another encoding, which Python holds as surrogates), shown
+    as their bytes: caf\\xe9.png."""
     bad = []
     for path in map(str, paths):
         try:
             path.encode("utf-8")
         except UnicodeEncodeError:
-            bad.append(path)
-    if bad:
-        shown = ", ".join(repr(os.fsencode(path))[2:-1] for path in bad[:3])
-        raise UserError(f"{len(bad)} file or folder name(s) are not UTF-8 text, e.g. {shown}: the reports and CSV "
-                        "files that name images could not write them. Rename them to UTF-8: from Latin-1, an old "
-                        "zip's usual names, convmv -r -f latin1 -t utf-8 --notest FOLDER (it leaves UTF-8 names as "
-                        "they are)")
+            bad.append(repr(os.fsencode(path))[2:-1])
+    return bad
 
 
 def entry_kind(path):
