@@ -208,7 +208,11 @@ def load_best_model(model_dir):
         meta_path = model_dir / "trainer_state.json"
     if not meta_path.is_file():
         runs = sorted(str(meta.parent.parent) for meta in model_dir.glob("*/best/meta.json"))  # a folder of runs
-        raise UserError(f"{model_dir} holds no model but the runs {', '.join(runs[:5])}: pass one of them" if runs
+        if runs:
+            raise UserError(f"{model_dir} holds no model but the runs {', '.join(runs[:5])}: pass one of them")
+        saved = sorted(model_dir.glob("checkpoints/epoch_*/trainer_state.json"))  # a run before its first best/
+        raise UserError(f"{model_dir} has no best/ (a run writes it at the end of its first epoch) but has "
+                        f"checkpoints: pass one, e.g. --model_dir {saved[-1].parent}" if saved
                         else f"{meta_path} not found: {wanted}")
     meta, problem = read_description(meta_path)
     if problem:

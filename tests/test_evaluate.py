@@ -129,7 +129,12 @@ def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_na
     assert result.returncode == 0, result.output  # its reports where best/'s go: the run's evaluation/, not in best/
     assert (runs / "digits" / "evaluation" / "report.html").is_file()
     assert not (runs / "digits" / "best" / "evaluation").exists()
+    early = tmp_path / "early"  # a run stopped before its first epoch's end: checkpoints, no best/
+    shutil.copytree(digits_run / "checkpoints", early / "checkpoints")
+    last = sorted((early / "checkpoints").glob("epoch_*"))[-1]
     for given, message in ((runs, f"error: {runs} holds no model but the runs {runs / 'digits'}: pass one of them"),
+                           (early, f"error: {early} has no best/ (a run writes it at the end of its first epoch) but "
+                                   f"has checkpoints: pass one, e.g. --model_dir {last}"),
                            (tmp_path / "typo", f"error: --model_dir {tmp_path / 'typo'} not found: pass the best/ "
                                                "folder a training run wrote (or the run's folder, or one of its"),
                            (digits_run / "metrics.jsonl", f"error: --model_dir {digits_run / 'metrics.jsonl'} is a "
