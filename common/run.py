@@ -158,6 +158,7 @@ class TrainingRun:
         self.in_epoch = False  # inside run.batches()'s loop
         self._resumed_totals = None  # a mid-epoch checkpoint's totals of the epoch so far
         self._resumed_stream = self._sampler = None  # a streamed split's positions (common.streaming); its sampler
+        self._resumed_from = None  # (path, training images) of the checkpoint resumed from
         self._totals = self._nonfinite = self._started = self._pace = self._loss = self._batchnorm = None
         self._stepped = False  # whether the batch last recorded made an optimizer step
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
@@ -184,6 +185,7 @@ class TrainingRun:
             self.best_accuracy, self._resumed_totals = checkpoint["best_accuracy"], checkpoint.get("epoch_totals")
             self.best_epoch = checkpoint.get("best_epoch", 0)
             self._resumed_stream = checkpoint.get("stream") if self.batch else None
+            self._resumed_from = (checkpoint["path"], checkpoint.get("train_images"))
             accelerator.print(f"resumed from {checkpoint['path']}: epoch {self.epoch}, batch {self.batch}, "
                               f"step {self.step} of {self.total_steps}")
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -218,6 +220,7 @@ class TrainingRun:
         the epoch's evaluation, best/ and checkpoint."""
         sampler, accelerator = train_dataloader.batch_sampler, self.accelerator
         self._sampler = sampler
+        self._check_same_images()
         if self._resumed_stream:  # a stream goes on where each process's share stopped
             sampler.load_state_dict(self._resumed_stream)
             self._resumed_stream = None
@@ -314,7 +317,8 @@ class TrainingRun:
             name, state = checkpoint_name(self.epoch), {"epoch": self.epoch + 1, "batch": 0}
         state.update(step=self.step, best_accuracy=self.best_accuracy, best_epoch=self.best_epoch,
                      lr_scheduler=self.lr_scheduler.state_dict(), num_processes=self.accelerator.num_processes,
-                     threads_per_process=torch.get_num_threads(), order=ORDER, **self.model_info)
+                     threads_per_process=torch.get_num_threads(), order=ORDER,
+                     train_images=getattr(self._sampler, "num_samples", None), **self.model_info)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints,
                                later=not stop)  # published while the next epoch trains
         if stop:
@@ -367,6 +371,17 @@ class TrainingRun:
         unlock_output_dirs()  # the run is written: another may take the folder
 
     # ---- inside ----
+
+    def _check_same_images(self):
+        """A run resumed on another number of training images (the data folder changed since) would not go on as
+        the run that was stopped: its order of samples and LR schedule were drawn for the number it had."""
+        path, then = self._resumed_from or (None, None)
+        now = getattr(self._sampler, "num_samples", None)  # a stream has no count
+        if then is not None and now is not None and now != then:
+            raise UserError(f"the training set has {now} images, but the run of checkpoint {path} trained on {then}: "
+                            "its order of samples and LR schedule were drawn for those, so it cannot go on as that "
+                            "run. Resume it with the data it had, or start a new run in another --output_dir.")
+        self._resumed_from = None  # checked once
 
     def _compare_notes(self):
         """The one collective of the bookkeeping: NonFiniteLoss if any process saw a nan/inf loss; True on every

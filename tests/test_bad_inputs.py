@@ -688,6 +688,30 @@ def write_checkpoint(folder, **state):
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
+def test_a_run_resumed_after_its_data_folder_changed_is_refused_before_a_step(tmp_path):
+    """Photos added or removed between a stop and --resume latest: the order of samples and the LR schedule were
+    drawn for the images the run had, so it would silently not go on as that run. Said; the same data resumes."""
+    data = shutil.copytree(ODD_IMAGES.parent / "seedlings", tmp_path / "data")
+    train = ["train_seedlings.py", "--data_dir", data, "--model", "test_resnet", "--image_size", 32, "--epochs", 2,
+             "--batch_size", 8, "--val_fraction", 0.2, "--output_dir", tmp_path / "run"]
+    assert script(*train).returncode == 0  # its epoch_001_end is kept: going back to it resumes epoch 2
+    state = json.loads((tmp_path / "run" / "checkpoints" / "epoch_001_end" / "trainer_state.json").read_text())
+    assert state["train_images"] == 68  # 85 images, 80% of each class
+    added = data / "Maize" / "added.png"
+    shutil.copy(sorted((data / "Maize").iterdir())[0], added)
+    for _ in range(5):  # enough for the split to give the training set more images
+        shutil.copy(added, data / "Maize" / f"added_{_}.png")
+    result = script(*train, "--resume", tmp_path / "run" / "checkpoints" / "epoch_001_end")
+    assert_refused(result, f"error: the training set has 72 images, but the run of checkpoint "
+                           f"{tmp_path / 'run' / 'checkpoints' / 'epoch_001_end'} trained on 68: its order of samples "
+                           "and LR schedule were drawn for those, so it cannot go on as that run")
+    assert "epoch 2/2" not in result.output
+    assert (tmp_path / "run" / "previous_run" / "checkpoints" / "epoch_002_end").is_dir()  # kept: nothing trained
+    for extra in data.glob("Maize/added*.png"):  # the data as it was: the run goes on
+        extra.unlink()
+    assert script(*train, "--resume", "latest").returncode == 0
+
+
 def test_a_hand_edited_trainer_state_is_named_not_a_traceback(tmp_path):
     checkpoints = tmp_path / "run" / "checkpoints"
     write_checkpoint(checkpoints / "epoch_001_end")
