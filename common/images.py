@@ -82,7 +82,8 @@ def folder_entries(folder):
         except OSError:  # is_file() follows links, and raises on a loop
             kind = entry_kind(entry.path)
         found.append((entry.name, kind))
-    check_names([folder, *(Path(folder) / name for name, _ in found)])
+    if not_utf8([folder, *(name for name, _ in found)]):  # the paths built only then: a million names, a second
+        check_names([folder, *(Path(folder) / name for name, _ in found)])
     return found
 
 
