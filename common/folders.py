@@ -6,7 +6,7 @@ import atexit
 import json
 import math
 import multiprocessing
-import multiprocessing.util  # noqa: F401  its exit function must be registered before ours
+import multiprocessing.util  # its exit function must be registered before ours
 import signal
 from pathlib import Path
 
@@ -235,6 +235,8 @@ def build_file_dataloader(dataset, *, batch_size=1, shuffle=False, num_workers=N
     if hasattr(dataset, "__getitems__"):
         return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler)
     num_workers = choose_num_workers(num_workers)[0]
+    if num_workers:  # the workers' sockets for passing tensors then go into this process's temporary folder, which
+        multiprocessing.util.get_temp_dir()  # its exit removes: a worker killed at the end left a /tmp/pymp-* each
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler,
                                        num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
