@@ -171,9 +171,11 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
                 np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), *shape)).flush()
                 with open(tmp, "r+b") as file:  # the blocks, now: a mapped write into a full disk is a SIGBUS
                     os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
-            except OSError:  # a full disk, or a read-only one
+            except OSError as error:  # a full disk, or a read-only one
                 remove(tmp)
                 tmp = None
+                print(f"the decoded images could not be kept in {path} ({error.strerror}): decoded into memory for "
+                      "this run, by each process, and again by the next run", flush=True)
         if processes > 1:  # the machine's main process names its file to the machine's other processes
             tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
         if tmp is None:

@@ -668,6 +668,9 @@ def test_data_on_a_read_only_filesystem_trains_and_evaluates_without_keeping_its
                            "--image_size", 32, "--epochs", 1, "--batch_size", 8, "--output_dir", tmp_path / "seedlings")
         assert seedlings.returncode == 0, seedlings.output
         assert "checked 59 images on 1 process(es) (59)\n" in seedlings.output  # and not "kept in"
+        assert (f"the decoded images could not be kept in {data / 'seedlings' / '.checked-train-37px.npy'} (Read-only "
+                "file system): decoded into memory for this run, by each process, and again by the next run\n"
+                in seedlings.output), seedlings.output
         cifar = script("train_cifar.py", "--data_dir", data / "cifar10", "--model", "test_resnet", "--epochs", 1,
                        "--max_steps", 2, "--batch_size", 16, "--output_dir", tmp_path / "cifar")
         assert cifar.returncode == 0, cifar.output
