@@ -174,8 +174,8 @@ def _decode_shared_out(files, decode, path, shape, accelerator):
             except OSError as error:  # a full disk, or a read-only one
                 remove(tmp)
                 tmp = None
-                print(f"the decoded images could not be kept in {path} ({error.strerror or error}): decoded into memory for "
-                      "this run, by each process, and again by the next run", flush=True)
+                print(f"the decoded images could not be kept in {path} ({error.strerror or error}): decoded into "
+                      "memory for this run, by each process, and again by the next run", flush=True)
         if processes > 1:  # the machine's main process names its file to the machine's other processes
             tmp = dict(gather_object([(machine, tmp)]) if rank == 0 else gather_object([]))[machine]
         if tmp is None:
