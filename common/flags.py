@@ -100,10 +100,11 @@ def path(text):
     the home folder (a shell leaves it in `--output_dir=~/runs` and in quotes: a folder named ~ in the current one)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a path")
-    if not_utf8([text]):  # a run given such an --output_dir trained, then stopped at its report.html
+    bad = not_utf8([text])
+    if bad:  # a run given such an --output_dir trained, then stopped at its report.html
         raise argparse.ArgumentTypeError(
-            f"{not_utf8([text])[0]} is not UTF-8 text, which the log and the reports could not write: give a path "
-            "whose names are UTF-8 (an existing one renamed: convmv -f latin1 -t utf-8 --notest PATH)")
+            f"{bad[0]} is not UTF-8 text, which the log and the reports could not write: give a path whose names are "
+            "UTF-8 (an existing one renamed: convmv -f latin1 -t utf-8 --notest PATH)")
     return os.path.expanduser(text)
 
 
