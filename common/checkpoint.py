@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -328,17 +329,19 @@ def set_aside_later_checkpoints(output_dir, path):
     checkpoints = output_dir / "checkpoints"
     if path.resolve().parent != checkpoints.resolve():
         return  # a checkpoint of another folder: this one holds no later checkpoints of that run
+    # the pointer first: a kill among the moves below leaves `latest` at a checkpoint that is there, and the run
+    # resumed from it moves the rest
+    write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))
     later = sorted(checkpoint for checkpoint in checkpoints.glob("epoch_*") if checkpoint.name > path.name)
     if later:
         previous = output_dir / PREVIOUS_RUN
         with failed_write_is_said(previous):
             (previous / "checkpoints").mkdir(parents=True, exist_ok=True)
             if (output_dir / "metrics.jsonl").exists() and not (previous / "metrics.jsonl").exists():
-                shutil.copy2(output_dir / "metrics.jsonl", previous / "metrics.jsonl")
+                write_atomically(previous / "metrics.jsonl", partial(shutil.copy2, output_dir / "metrics.jsonl"))
             for checkpoint in later:
                 remove(previous / "checkpoints" / checkpoint.name)  # a name left by an earlier going back
                 os.replace(checkpoint, previous / "checkpoints" / checkpoint.name)
         names = later[0].name + (f" to {later[-1].name}" if len(later) > 1 else "")
         print(f"going back to {path.name}: the {len(later)} later checkpoint(s) ({names}) and metrics.jsonl as it "
               f"was are in {previous} until this run's first checkpoint, which deletes them", flush=True)
-    write_atomically(checkpoints / "latest", lambda pointer: pointer.write_text(path.name + "\n"))

@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,9 +278,13 @@ def test_resume_from_an_older_checkpoint_with_no_other_flags_matches(tmp_path, r
 
 
 @pytest.mark.slow
-def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_first_new_one(tmp_path, reference):
+def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_first_new_one(tmp_path, reference,
+                                                                                             monkeypatch):
     """Until the resumed run's first checkpoint a mistaken --resume has lost nothing: what it would drop is in
-    previous_run/, whole (a stop before then leaves it there; the next checkpoint deletes it, test above)."""
+    previous_run/, whole (a stop before then leaves it there; the next checkpoint deletes it, test above). A kill
+    among the moves leaves `latest` at the checkpoint gone back to, and going back again moves the rest."""
+    import common.checkpoint
+
     output_dir = shutil.copytree(reference(1), tmp_path / "run")
     names = sorted(p.name for p in (output_dir / "checkpoints").glob("epoch_*"))
     metrics = (output_dir / "metrics.jsonl").read_bytes()
@@ -287,6 +292,21 @@ def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_f
         return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
     before = {name: contents(output_dir / "checkpoints" / name) for name in names}
+    moves, replace = [], os.replace
+
+    def killed_after_one(source, target):  # one checkpoint moved into previous_run/: the process ends there
+        if Path(target).parent.parent.name == "previous_run" and moves:
+            raise KeyboardInterrupt
+        if Path(target).parent.parent.name == "previous_run":
+            moves.append(target)
+        return replace(source, target)
+
+    monkeypatch.setattr(common.checkpoint.os, "replace", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        set_aside_later_checkpoints(output_dir, output_dir / "checkpoints" / names[0])
+    monkeypatch.undo()
+    assert (output_dir / "checkpoints" / "latest").read_text() == names[0] + "\n"  # there: resumable
+    assert len(list((output_dir / "previous_run" / "checkpoints").iterdir())) == 1
     set_aside_later_checkpoints(output_dir, output_dir / "checkpoints" / names[0])
     assert sorted(p.name for p in (output_dir / "checkpoints").glob("epoch_*")) == names[:1]
     assert (output_dir / "checkpoints" / "latest").read_text() == names[0] + "\n"
