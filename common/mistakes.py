@@ -30,6 +30,7 @@ EXAMPLES = 4  # images per confused pair and per class
 PAIRS = 10  # confused pairs shown
 CLASSES_WITH_IMAGES = 30  # the classes of lowest recall that get example images (all are in the table)
 THUMBNAIL = 128  # longest side, pixels; smaller images are kept as they are and shown enlarged
+TOO_MANY_SUSPECTS = 1 / 3  # beyond this share of the images flagged, the list may say more of the model than the labels
 
 
 # ---- what the report holds ----
@@ -86,7 +87,12 @@ def find_label_issues(scores, *, class_names, files=None, split, trained_on):
     method = ("They were scored by the final model without augmentation; it trained on them, so a wrong label it has "
               "learned to repeat is not found (few are in a short run: a network learns the clean majority first)."
               if trained_on else "The model did not train on them: its probabilities are out-of-sample.")
-    return {**found, "flagged": len(flagged), "method": method, "images": flagged}
+    found |= {"flagged": len(flagged), "method": method, "images": flagged}
+    if len(flagged) > TOO_MANY_SUSPECTS * len(labels):  # a short or failed run: most of its errors are flagged
+        found["caveat"] = (f"{len(flagged) / len(labels):.0%} of the labels suspected: they are that noisy, or the "
+                           f"model (right on {found['accuracy']:.0%} of these images) is too weak yet for this list "
+                           "to mean much; train longer before reading it")
+    return found
 
 
 def confident_learning(labels, probs):
@@ -282,7 +288,8 @@ def render_report(summary, *, dataset, training_set, output_dir):
                 f"flagged by confident learning (as cleanlab finds them); the model is right on "
                 f"{100 * issues['accuracy']:.1f}% of them. {_e(issues['method'])} The {len(issues['images'])} most "
                 "suspect are shown, given label &rarr; the model's class; all are in label_issues.csv.</p>"
-                f"{gallery(issues['images'], source=training_set)}")
+                + (f"<p class=note><b>{_e(issues['caveat'])}</b></p>" if "caveat" in issues else "")
+                + gallery(issues["images"], source=training_set))
     parts.append(f"<section id=label-issues><h2>Suspected wrong labels</h2>{body}</section>")
 
     argument_rows = "".join(f"<tr><td>{_e(name)}</td><td><code>{_e(json.dumps(value))}</code></td></tr>"

@@ -359,9 +359,10 @@ class TrainingRun:
                      "arguments": self.model_info["args"]}
             page = write_mistakes_report(self.output_dir, evaluation=evaluation, dataset=eval_set, about=about,
                                          label_issues=label_issues, training_set=train_set)
+            suspects = label_issues and [f"{label_issues['flagged']} suspected wrong labels among the "
+                                         f"{label_issues['scored']} training images", label_issues.get("caveat")]
             accelerator.print(f"outputs written to {self.output_dir}; the mistakes: open {page} in a browser"
-                              + (f" ({label_issues['flagged']} suspected wrong labels among the "
-                                 f"{label_issues['scored']} training images)" if label_issues else ""))
+                              + (f" ({'; '.join(filter(None, suspects))})" if suspects else ""))
             done = time.perf_counter()  # what the wind-down cost, as the first step's line says the start-up's
             accelerator.print(f"run done {since_launch()}, {done - trained_at:.1f} s after the last epoch (scoring "
                               f"after training {writes_at - trained_at:.1f} s, the last checkpoint's writes "

@@ -7,7 +7,7 @@ import pytest
 from sklearn.metrics import confusion_matrix, recall_score
 
 from conftest import REPO, assert_report_shows, launch_warm, require, write_idx
-from common.mistakes import EXAMPLES, SHOWN, confident_learning, find_mistakes
+from common.mistakes import EXAMPLES, SHOWN, confident_learning, find_label_issues, find_mistakes
 from common.mnist import FASHION_MNIST_CLASSES, build_mnist, read_idx
 
 
@@ -80,6 +80,25 @@ def test_confident_learning_flags_and_ranks_the_images_cleanlab_does(monkeypatch
         assert ours.tolist() == expected.tolist(), (trial, classes, n)
         flagged += len(ours)
     assert flagged > 1000  # the trials flag images, not only none
+
+
+def test_a_model_too_weak_for_its_suspected_labels_to_mean_much_is_said_with_them():
+    """A short or failed run flags most of the images it gets wrong: beyond a third of them flagged, the list and
+    the report say that the labels are that noisy or the model too weak; a trained model's list says nothing more."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 2000)
+    for strength, caveat in ((0.3, True), (6.0, False)):  # about chance, and a trained model with a few wrong labels
+        logits = rng.normal(size=(2000, 10)) + strength * np.eye(10)[labels]
+        probabilities = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        scores = {"probabilities": probabilities, "labels": labels, "indices": np.arange(2000)}
+        found = find_label_issues(scores, class_names=list("abcdefghij"), split="training", trained_on=True)
+        assert ("caveat" in found) == caveat and (found["flagged"] > 2000 / 3) == caveat, found["flagged"]
+    wrong = np.full((2000, 10), 0.1) + 0.05 * np.eye(10)[(labels + 1) % 10]  # every image taken for the next class
+    weak = find_label_issues({**scores, "probabilities": wrong}, class_names=list("abcdefghij"), split="training",
+                             trained_on=True)
+    assert weak["caveat"] == (f"{weak['flagged'] / 2000:.0%} of the labels suspected: they are that noisy, or the "
+                              "model (right on 0% of these images) is too weak yet for this list to mean much; train "
+                              "longer before reading it")
 
 
 @pytest.mark.slow
