@@ -186,9 +186,15 @@ def timm_config(model, meta):
 
 
 def model_folder(model_dir):
-    """The folder a --model_dir names: itself, or the folder of a file in best/ or in a checkpoint (the
-    model.safetensors a user points at)."""
+    """The folder a --model_dir names: itself, the folder of a file in best/ or in a checkpoint (the
+    model.safetensors a user points at), or the checkpoint that checkpoints/latest names (the file or its folder,
+    as --resume latest takes it)."""
     model_dir = Path(model_dir)
+    pointer = model_dir if model_dir.name == "latest" else model_dir / "latest"
+    if pointer.is_file():
+        named = pointer.parent / pointer.read_text(errors="replace").strip()
+        if (named / "trainer_state.json").is_file():
+            return named
     if model_dir.is_file() and any((model_dir.parent / name).is_file() for name in ("meta.json", "trainer_state.json")):
         return model_dir.parent
     return model_dir

@@ -132,6 +132,13 @@ def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_na
     early = tmp_path / "early"  # a run stopped before its first epoch's end: checkpoints, no best/
     shutil.copytree(digits_run / "checkpoints", early / "checkpoints")
     last = sorted((early / "checkpoints").glob("epoch_*"))[-1]
+    named = sorted((early / "checkpoints").glob("epoch_*"))[0]  # latest pointed back at an earlier one
+    (early / "checkpoints" / "latest").write_text(named.name + "\n")
+    for pointer in (early / "checkpoints" / "latest", early / "checkpoints"):  # the checkpoint --resume latest takes
+        model, meta = load_best_model(pointer)
+        assert meta == load_best_model(named)[1] and named != last and meta["epoch"] < load_best_model(last)[1]["epoch"]
+    result = script("evaluate.py", "--model_dir", early / "checkpoints" / "latest")
+    assert result.returncode == 0 and (early / "evaluation" / "report.html").is_file(), result.output
     for given, message in ((runs, f"error: {runs} holds no model but the runs {runs / 'digits'}: pass one of them"),
                            (early, f"error: {early} has no best/ (a run writes it at the end of its first epoch) but "
                                    f"has checkpoints: pass one, e.g. --model_dir {last}"),
