@@ -139,11 +139,16 @@ def check_process_count(accelerator):
                             "train its own copy of the model. Build the Accelerator with "
                             "common.distributed.build_accelerator, or launch with --config_file "
                             "accelerate_configs/cpu.yaml on a machine without GPUs.")
-    elif os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_PORT" in os.environ:
-        # `accelerate launch --cpu --num_processes N` (N > 1) starts ONE process and only sets MASTER_PORT
-        raise UserError("`accelerate launch --cpu --num_processes N` starts a single process whatever N is. For N "
-                        "CPU processes use `accelerate launch --config_file accelerate_configs/cpu.yaml` (set "
-                        "num_processes there or pass --num_processes); for one process drop --num_processes.")
+    elif "ACCELERATE_USE_CPU" in os.environ and "MASTER_PORT" in os.environ and accelerator.num_processes == 1:
+        # Accelerate's one-process launcher, asked for N > 1 processes, starts ONE and only sets MASTER_PORT: with
+        # --cpu, or without a config on a machine with fewer than 2 GPUs
+        how = ("For N CPU processes use `accelerate launch --config_file accelerate_configs/cpu.yaml` (set "
+               "num_processes there or pass --num_processes); for one process drop --num_processes.")
+        if os.environ["ACCELERATE_USE_CPU"].lower() == "true":
+            raise UserError(f"`accelerate launch --cpu --num_processes N` starts a single process whatever N is. {how}")
+        raise UserError("`accelerate launch --num_processes N` without a --config_file started a single process: "
+                        "Accelerate's defaults start one where fewer than 2 GPUs are visible, whatever N is. "
+                        f"{how} On GPUs, use a config of accelerate_configs/ (e.g. 4gpu.yaml).")
 
 
 class BatchNormMerge:

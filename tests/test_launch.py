@@ -116,16 +116,19 @@ def test_copied_scripts_run_from_another_directory(tmp_path):
     assert json.loads((elsewhere / "out" / "classification_report.json").read_text())["macro avg"]["support"] == 450
 
 
-def test_cpu_flag_with_two_processes_is_refused(tmp_path):
-    # Accelerate's `--cpu --num_processes 2` quietly starts one process: we stop it instead
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-               str(REPO / "scripts" / "train_mnist.py"), "--dataset", "digits", "--output_dir", tmp_path / "run"]
-    result = run_command(command)
-    assert result.returncode != 0
-    assert "error: `accelerate launch --cpu --num_processes N` starts a single process" in result.output
-    assert "accelerate_configs/cpu.yaml" in result.output
-    assert "UserError" not in result.output  # our message, not our traceback (the launcher prints its own)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+def test_cpu_flag_or_no_config_with_two_processes_is_refused(tmp_path):
+    """Accelerate's `--cpu --num_processes 2`, and `--num_processes 2` without a config where no 2 GPUs are, quietly
+    start one process: we stop it instead."""
+    for flags, said in ((["--cpu"], "error: `accelerate launch --cpu --num_processes N` starts a single process"),
+                        ([], "error: `accelerate launch --num_processes N` without a --config_file started a single "
+                             "process: Accelerate's defaults start one where fewer than 2 GPUs are visible")):
+        command = [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2",
+                   str(REPO / "scripts" / "train_mnist.py"), "--dataset", "digits", "--output_dir", tmp_path / "run"]
+        result = run_command(command, env={"CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf")})  # no config
+        assert result.returncode != 0 and said in result.output, result.output
+        assert "accelerate_configs/cpu.yaml" in result.output
+        assert "UserError" not in result.output  # our message, not our traceback (the launcher prints its own)
+        assert not (tmp_path / "run").exists()
 
 
 def test_process_count_mismatch_is_refused(tmp_path):
