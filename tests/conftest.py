@@ -28,6 +28,10 @@ import pytest
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+# A test run started as a shell's background job (`make test &`, a CI step's) inherits Ctrl-C ignored, and so would
+# every process it starts: they start as a terminal starts them, with Ctrl-C at its default (tests send it).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch  # noqa: E402
 from safetensors.torch import load_file
 
