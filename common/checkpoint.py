@@ -18,7 +18,7 @@ from .errors import NothingToDo, UserError
 from .flags import ArgumentParser, args_to_dict, check_args
 from .models import check_weights, read_json
 from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, finish_later, finish_writes, has_checkpoint,
-                      publish, remove, remove_previous_run, write_atomically)
+                      latest_checkpoint, publish, remove, remove_previous_run, write_atomically)
 from .reporting import truncate_metrics
 
 
@@ -181,7 +181,7 @@ def find_checkpoint(output_dir, resume):
                             f"run's own folder, --output_dir {output_dir.parent}")
         if not pointer.is_file():
             raise UserError(f"--resume latest: no checkpoint in {checkpoints} ({pointer.name} not found). {choose}")
-        path = checkpoints / pointer.read_text().strip()
+        path = latest_checkpoint(checkpoints)
         if not path.is_dir():
             raise UserError(f"--resume latest: {pointer} names {path.name}, which no longer exists. {choose}")
     else:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .distributed import STARTED
 from .errors import UserError
-from .outputs import write_atomically
+from .outputs import latest_checkpoint, write_atomically
 from .reporting import write_predictions
 
 
@@ -190,11 +190,9 @@ def model_folder(model_dir):
     model.safetensors a user points at), or the checkpoint that checkpoints/latest names (the file or its folder,
     as --resume latest takes it)."""
     model_dir = Path(model_dir)
-    pointer = model_dir if model_dir.name == "latest" else model_dir / "latest"
-    if pointer.is_file():
-        named = pointer.parent / pointer.read_text(errors="replace").strip()
-        if (named / "trainer_state.json").is_file():
-            return named
+    named = latest_checkpoint(model_dir.parent if model_dir.name == "latest" else model_dir)
+    if named and (named / "trainer_state.json").is_file():
+        return named
     if model_dir.is_file() and any((model_dir.parent / name).is_file() for name in ("meta.json", "trainer_state.json")):
         return model_dir.parent
     return model_dir

@@ -155,6 +155,12 @@ def has_checkpoint(output_dir):
     return (Path(output_dir) / "checkpoints" / "latest").is_file()
 
 
+def latest_checkpoint(checkpoints):
+    """The checkpoint folder that CHECKPOINTS/latest names (it may be gone since), or None where that file is not."""
+    pointer = Path(checkpoints) / "latest"
+    return pointer.parent / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+
+
 def set_aside_earlier_run(output_dir, accelerator):
     """Call it once all inputs are read and checked: an earlier run's outputs (ours only) go into previous_run/,
     deleted at the new run's first checkpoint, so a run that fails before then leaves it to recover from."""

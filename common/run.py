@@ -41,7 +41,7 @@ from .distributed import STARTED, BatchNormMerge
 from .errors import TERMINATED, Interrupted, Terminated, UserError
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
-from .outputs import WriteFailed, finish_writes, set_aside_earlier_run, unlock_output_dirs
+from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
 from .reporting import log_epoch, write_reports
 
 # tqdm's monitor thread exits as evaluation forks its DataLoader workers, which can deadlock the child (a
@@ -76,11 +76,11 @@ def names_the_last_checkpoint(method):
         try:
             return method(self, *args, **kwargs)
         except WriteFailed as error:
-            latest = self.output_dir / "checkpoints" / "latest"
-            error.fix = (f"The last complete checkpoint is {latest.parent / latest.read_text().strip()}: free some "
-                         "space, then run the same command with --resume latest (or auto) to continue from it."
-                         if latest.is_file() else "The run has no checkpoint yet: free some space, then run the same "
-                         "command with --resume auto (or --overwrite) to start it again.")
+            latest = latest_checkpoint(self.output_dir / "checkpoints")
+            error.fix = (f"The last complete checkpoint is {latest}: free some space, then run the same command "
+                         "with --resume latest (or auto) to continue from it." if latest else "The run has no "
+                         "checkpoint yet: free some space, then run the same command with --resume auto (or "
+                         "--overwrite) to start it again.")
             raise
 
     return write
