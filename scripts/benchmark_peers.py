@@ -173,12 +173,14 @@ def check_inputs(args):
             raise UserError(f"{file} {found} ({why})")
 
 
-def run_timed(name, command, *, env, log, processes):
-    """Run `command`; every line it prints is timed from its start. -> wall time, [(time, accuracy)], [rate]."""
+def run_timed(name, command, *, env, log, processes, results):
+    """Run `command`; every line it prints is timed from its start. -> wall time, [(time, accuracy)], [rate].
+    `results`: how many accuracies the script prints when it ends well. A peer that printed them all and then
+    failed (the seed script's plain DDP at times aborts in its teardown) is kept, with a warning and its exit code;
+    ours failing is an error wherever it fails."""
     start, accuracies, rates, pending = time.perf_counter(), [], [], b""
-    process = subprocess.Popen(list(map(str, command)), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
-    with open(log, "w") as out:
+    with subprocess.Popen(list(map(str, command)), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env}) as process, open(log, "w") as out:
         while chunk := os.read(process.stdout.fileno(), 1 << 16):
             now = time.perf_counter() - start
             *lines, pending = re.split(rb"[\r\n]", pending + chunk)
@@ -192,11 +194,15 @@ def run_timed(name, command, *, env, log, processes):
                             accuracies.append((now, value))
                         else:
                             rates.append(value * (processes if kind == "rate_per_process" else 1))
-    if process.wait() or not accuracies:
-        tail = Path(log).read_text().splitlines()[-15:]
-        raise UserError(f"{name} failed (exit code {process.returncode}); the end of {log}:\n" + "\n".join(tail))
+    finished = len(accuracies) >= results and name != "ours"
+    if process.returncode or not accuracies:
+        tail = "\n".join(Path(log).read_text().splitlines()[-15:])
+        if not finished:
+            raise UserError(f"{name} failed (exit code {process.returncode}); the end of {log}:\n{tail}")
+        print(f"warning: {name} failed (exit code {process.returncode}) after printing its final accuracy; its "
+              f"times are kept. The end of {log}:\n{tail}", flush=True)
     return {"wall_s": time.perf_counter() - start, "accuracies": accuracies, "images_per_s": statistics.mean(rates),
-            "final_accuracy": accuracies[-1][1]}
+            "final_accuracy": accuracies[-1][1], "exit_code": process.returncode}
 
 
 def time_to(run, target):
@@ -239,7 +245,8 @@ def main(args):
                 for leftover in data[0].glob(".checked-*"):
                     remove(leftover)
             run_dir.mkdir(parents=True, exist_ok=True)
-            run = run_timed(name, command, env=env, log=run_dir / f"{name}.log", processes=processes)
+            run = run_timed(name, command, env=env, log=run_dir / f"{name}.log", processes=processes,
+                            results=1 if name == "seed" else epochs)  # the seed script evaluates once, at its end
             runs.setdefault(name, []).append(run)
             print(f"seed {run_seed} {name}: {run['wall_s']:.1f} s, accuracy {run['final_accuracy']:.2%}, "
                   f"{run['images_per_s']:.1f} images/s, accuracy by time: "

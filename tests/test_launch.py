@@ -287,3 +287,21 @@ def test_the_peer_benchmark_times_each_script_to_its_targets_on_a_tiny_budget(tm
     if task == "seedlings":  # ours ran cold: each run checked the images again
         assert "checked 59 images" in (tmp_path / "work" / "runs" / "seed1" / "ours.log").read_text()
         assert len(list((tmp_path / "work" / "flat" / "train").glob("*.jpg"))) == 59  # cv_example.py's layout
+
+
+def test_a_peer_that_fails_after_its_final_accuracy_is_kept_with_a_warning_and_ours_never_is(tmp_path, capsys):
+    """The seed script's plain DDP sometimes aborts in its teardown, after its result (seen in CI: SIGABRT on one
+    process); a script that fails before printing all its results, or ours failing at all, stops the benchmark."""
+    from common.errors import UserError
+
+    run_timed = load_script("benchmark_peers.py").run_timed
+    result = "print('ref world=2 epochs=1 train_s=0.1 img_per_s=3566 test_acc=0.1445', flush=True)"
+    abort = [sys.executable, "-c", f"{result}; import os; os.abort()"]
+    run = run_timed("seed", abort, env={}, log=tmp_path / "seed.log", processes=2, results=1)
+    assert run["exit_code"] == -6 and run["final_accuracy"] == 0.1445 and run["images_per_s"] == 3566
+    assert "warning: seed failed (exit code -6) after printing its final accuracy" in capsys.readouterr().out
+    ours = "print('epoch 1/1 val_accuracy 50.00%  lr 1e-3  1,000 img/s  1.0s', flush=True); import sys; sys.exit(3)"
+    for name, command in (("seed", [sys.executable, "-c", "import os; os.abort()"]),
+                          ("ours", [sys.executable, "-c", ours])):
+        with pytest.raises(UserError, match=f"{name} failed \\(exit code (-6|3)\\); the end of "):
+            run_timed(name, command, env={}, log=tmp_path / f"{name}.log", processes=1, results=1)
