@@ -437,6 +437,19 @@ def assert_same_outcome(run, reference, *, checkpoint, rel, per_process=True):
     assert close([float(row[3]) for row in ours], [float(row[3]) for row in theirs], rel)  # printed to 6 digits
 
 
+def assert_timed_runs(out, scripts, *, target):
+    """benchmark_peers.py's JSON (`out`): a run of each of `scripts` per seed, each accuracy timed on the run's own
+    clock, and the times to `target` and to each script's own final accuracy read from those."""
+    assert list(out["runs"]) == scripts and len(out["seeds"]) == len(out["runs"][scripts[0]])
+    for name in scripts:
+        for run, times in zip(out["runs"][name], out["time_to_target"][name][f"{target:.0%}"]):
+            (first, _), (last, final) = run["accuracies"][0], run["accuracies"][-1]
+            assert 0 < first <= last <= run["wall_s"] and run["images_per_s"] > 0 and final == run["final_accuracy"]
+            assert times == next((when for when, accuracy in run["accuracies"] if accuracy >= target), None)
+        # a script reaches its own final accuracy at the evaluation that reported it, or earlier
+        assert out["time_to_target"][name][f"{name} final"] == [run["accuracies"][-1][0] for run in out["runs"][name]]
+
+
 def assert_two_processes_shared_the_data(metrics, *, train_size, batch_size):
     for record in metrics:
         per_process = record["train_samples_per_process"]
