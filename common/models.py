@@ -190,9 +190,15 @@ def model_folder(model_dir):
     model.safetensors a user points at), or the checkpoint that checkpoints/latest names (the file or its folder,
     as --resume latest takes it)."""
     model_dir = Path(model_dir)
-    named = latest_checkpoint(model_dir.parent if model_dir.name == "latest" else model_dir)
+    checkpoints = model_dir.parent if model_dir.name == "latest" else model_dir
+    named = latest_checkpoint(checkpoints)
     if named and (named / "trainer_state.json").is_file():
         return named
+    if named and not any((model_dir / name).exists() for name in ("meta.json", "trainer_state.json", "best")):
+        saved = sorted(path.parent.name for path in checkpoints.glob("*/trainer_state.json"))
+        raise UserError(f"--model_dir {model_dir}: {checkpoints / 'latest'} names {named.name}, which is not there "
+                        "(removed since?): pass the run's best/ folder or one of its checkpoints"
+                        + (f" (in {checkpoints}: {', '.join(saved[-3:])})" if saved else ""))
     if model_dir.is_file() and any((model_dir.parent / name).is_file() for name in ("meta.json", "trainer_state.json")):
         return model_dir.parent
     return model_dir
