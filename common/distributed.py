@@ -41,6 +41,8 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     the run folder). `dist_timeout` (seconds): a hung or lost process fails the others after that long."""
     STARTED.update(imports=time.time())  # the start-up's first part ends here (common.run says it); per run
     tracker, output_dir = report_to or ("none", None)
+    if not cpu:
+        check_gpus_usable()
     cpu = cpu or not torch.cuda.is_available()
     mixed_precision, why_fp32 = choose_mixed_precision(mixed_precision, cpu=cpu)
     join_after_restart(cpu=cpu, dist_timeout=dist_timeout)
@@ -65,6 +67,20 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     if compile and accelerator.device.type == "cpu":
         check_cpp_compiler()
     return accelerator
+
+
+def check_gpus_usable():
+    """GPUs named by CUDA_VISIBLE_DEVICES (a Slurm job given GPUs, a config's gpu_ids) that torch cannot use: the run
+    would train on the CPU, tens of times slower, saying so in its first line only. A torch without CUDA on a GPU node
+    (the CPU wheel, pip's default on some platforms) or a driver torch's CUDA cannot use are the usual causes."""
+    named = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not named or named.startswith("-1") or named.lower() in ("none", "nodevfiles") or torch.cuda.is_available():
+        return
+    why = ("this torch is built without CUDA (torch.version.cuda is None): install a CUDA build of torch" if
+           torch.version.cuda is None else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no GPU it can "
+           "use: check that nvidia-smi lists them and that the driver is recent enough for that CUDA")
+    raise UserError(f"CUDA_VISIBLE_DEVICES={named} names GPUs, but {why}. To train on the CPU instead, unset "
+                    "CUDA_VISIBLE_DEVICES (and launch with accelerate_configs/cpu.yaml for several processes).")
 
 
 def check_cpp_compiler():

@@ -27,7 +27,7 @@ from common.flags import ArgumentParser
 from common.folders import find_splits
 from common.images import read_image
 from common.tools import find_images
-from conftest import FASHION_MNIST, REPO, load_script, require, script, write_idx
+from conftest import FASHION_MNIST, REPO, load_script, refused, require, script, write_idx
 
 SCRIPTS = REPO / "scripts"
 ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
@@ -130,6 +130,25 @@ def test_device_cuda_without_a_gpu_is_refused_at_parse_time(capsys):
     with pytest.raises(SystemExit):
         load_script("predict.py").parse_args([*TOOLS["predict.py"], "--device", "cuda"])
     assert "this machine has 0 CUDA devices; use --device cpu" in capsys.readouterr().err
+
+
+def test_gpus_named_that_torch_cannot_use_are_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A Slurm job given GPUs (CUDA_VISIBLE_DEVICES set) on a torch without CUDA, or with a driver it cannot use,
+    trained on the CPU, tens of times slower, said in its first line only."""
+    from common.distributed import check_gpus_usable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for cuda, why in (("12.8", f"torch {torch.__version__} (CUDA 12.8) finds no GPU it can use: check that nvidia-smi"),
+                      (None, "this torch is built without CUDA (torch.version.cuda is None): install a CUDA build")):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        message = refused("train_mnist.py", "--dataset", "digits", "--output_dir", tmp_path / "run")
+        assert message.strip().startswith(f"error: CUDA_VISIBLE_DEVICES=0,1 names GPUs, but {why}"), message
+        assert "To train on the CPU instead, unset CUDA_VISIBLE_DEVICES" in message
+    assert not (tmp_path / "run").exists()
+    for nothing_named in ("", "-1", "NoDevFiles"):  # what a job without GPUs, or a user hiding them, sets
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", nothing_named)
+        check_gpus_usable()
 
 
 def test_a_bad_flag_in_a_real_run_is_one_line_and_exit_2():
