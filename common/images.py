@@ -3,6 +3,7 @@ reading and converting an image, and the evaluation preprocessing."""
 
 import errno
 import os
+import re
 import stat
 from functools import partial
 from pathlib import Path
@@ -193,7 +194,12 @@ def read_image(path, *, channels=3):
         with Image.open(path if isinstance(path, (str, os.PathLike)) else path.open()) as image:
             return convert_image(image, channels=channels)
     except Image.DecompressionBombError as error:  # not an OSError: make it one more unreadable image
-        raise ValueError(str(error)) from None
+        size = re.search(r"\((\d+) pixels\)", str(error))
+        raise ValueError(f"{int(size[1]):,} pixels, more than Pillow opens (its guard against decompression "
+                         f"bombs: {2 * Image.MAX_IMAGE_PIXELS:,}); the scripts resize it to a few hundred pixels a "
+                         "side anyway, so downscale it once beforehand (e.g. ImageMagick: "
+                         f"mogrify -resize '4096x4096>' {path if isinstance(path, (str, os.PathLike)) else 'FILE'})"
+                         if size else str(error)) from None
 
 
 def convert_image(image, *, channels=3):

@@ -331,6 +331,19 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped():
             read_image(ODD_IMAGES / broken)
 
 
+def test_an_image_larger_than_pillow_opens_is_named_with_its_size_and_the_fix(monkeypatch):
+    """Pillow refuses an image of more than twice Image.MAX_IMAGE_PIXELS (179 megapixels: a drone's or a slide
+    scanner's) as a possible decompression bomb; here the limit is lowered to a fixture's size."""
+    image = ODD_IMAGES / "gray8.png"  # 48 x 48: 2,304 pixels, refused above 2 x 1,000
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    with pytest.raises(ValueError) as error:
+        read_image(image)
+    assert str(error.value) == (
+        "2,304 pixels, more than Pillow opens (its guard against decompression bombs: 2,000); the scripts resize it to "
+        "a few hundred pixels a side anyway, so downscale it once beforehand (e.g. ImageMagick: mogrify -resize "
+        f"'4096x4096>' {image})")
+
+
 def test_a_split_whose_images_are_all_unreadable_is_named_even_when_skipping():
     from common.decode_cache import check_images
 
