@@ -1,6 +1,7 @@
 """Hugging Face datasets in (`--data_dir hf:NAME_OR_PATH`), as the same splits as a folder of class folders.
 
-`hf:NAME` is a dataset on the Hub (or in the local cache with HF_HUB_OFFLINE=1), `hf:DIR` a folder written by
+`hf:NAME` is a dataset on the Hub (or in the local cache with HF_HUB_OFFLINE=1, or where the Hub is out of reach: a
+compute node without internet), `hf:DIR` a folder written by
 `save_to_disk` or a folder of data files (parquet, ...; `datasets` infers the splits from the file names), and
 `hf:parquet:GLOB` (or csv:, json:, imagefolder:) data files of that format. `datasets` does the loading; a split
 becomes what `common.folders.find_splits` gives for a folder: "files" that `read_image` opens (each an `HFImage`,
@@ -13,7 +14,9 @@ import hashlib
 import io
 import os
 import re
+import socket
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from .errors import UserError
@@ -98,6 +101,7 @@ def load_hf(data_dir, config=None, *, streaming=False):
     if spec.startswith(("/", "./", "../")) and not Path(spec).exists():  # a path, never a name on the Hub
         raise UserError(f"{data_dir}: {spec} not found")
     kind, _, files = spec.partition(":")
+    unreachable = None  # why the Hub is out of reach, where it was asked for a name and is
     saved = Path(spec).is_dir() and any((Path(spec) / name).is_file() for name in ("dataset_dict.json", "state.json"))
     if config is not None and ((kind in FORMATS and files) or saved):
         raise UserError(f"--dataset_config chooses one of the configurations of a dataset on the Hub or of a folder of "
@@ -116,6 +120,12 @@ def load_hf(data_dir, config=None, *, streaming=False):
             raise UserError(f"{data_dir} is a folder, but neither one written by save_to_disk nor one of data files "
                             f"({', '.join(DATA_FILES)}). For a folder of images pass --data_dir {spec} (without hf:)")
         else:
+            unreachable = None if datasets.config.HF_HUB_OFFLINE else hub_out_of_reach()
+            if unreachable:  # the local cache only, at once (datasets would retry for 23 s, a line each time)
+                import huggingface_hub
+
+                datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+                os.environ["HF_HUB_OFFLINE"] = "1"  # and the same in the DataLoader workers
             loaded = datasets.load_dataset(spec, name=config, streaming=streaming)
     except UserError:
         raise
@@ -124,7 +134,9 @@ def load_hf(data_dir, config=None, *, streaming=False):
         if names:  # several configurations and none chosen, or one it does not have
             raise UserError(f"{data_dir} has the configurations {names.group(1)}"
                             + (f", not {config!r}" if config else "") + ": choose one with --dataset_config NAME")
-        offline = (" (offline: HF_HUB_OFFLINE=1, from the local cache only)"
+        offline = (f" (the Hub is out of reach here, {unreachable}: from the local cache only. Without internet, "
+                   "save the dataset with datasets' save_to_disk on a machine that has it and pass hf:FOLDER)"
+                   if unreachable else " (offline: HF_HUB_OFFLINE=1, from the local cache only)"
                    if os.environ.get("HF_HUB_OFFLINE") == "1" else "")
         read_as = (f"{kind} files matching {files!r}" if kind in FORMATS and files
                    else f"the folder written by save_to_disk {spec}" if saved
@@ -135,6 +147,23 @@ def load_hf(data_dir, config=None, *, streaming=False):
                         f"{' '.join(str(error).split()) or type(error).__name__}") from None
     return (dict(loaded) if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict))
             else {"train": loaded})
+
+
+def hub_out_of_reach(timeout=5):
+    """Why the Hub (HF_ENDPOINT's host: a mirror too) takes no connection from here, or None where it does or a proxy
+    stands between (then `datasets` finds out)."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                              "all_proxy")):
+        return None
+    from huggingface_hub import constants
+
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    address = (url.hostname, url.port or (80 if url.scheme == "http" else 443))
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+    except OSError as error:
+        return f"{address[0]}:{address[1]} {error.strerror or error}"
+    return None
 
 
 def find_hf_splits(data_dir, *, val_fraction, seed, options=None, fraction_typed=False):

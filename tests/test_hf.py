@@ -3,7 +3,9 @@ as `save_to_disk` folders and parquet files; trained on as their folders are, wi
 
 import csv
 import json
+import os
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -254,6 +256,24 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
     refused("hf:nobody/no-such-dataset", r"cannot load hf:nobody/no-such-dataset, read as a dataset name on the Hub "
                                          r"\(offline: HF_HUB_OFFLINE=1, from the local cache only\) \(data files of "
                                          r"one format are hf:parquet:GLOB, .*\): \S")
+    # not offline, but the Hub out of reach (a compute node without internet): the cache only, at once, not after
+    # datasets' 5 retries (23 s, a line each)
+    import huggingface_hub
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (datasets.config, huggingface_hub.constants):
+            patch.setattr(module, "HF_HUB_OFFLINE", False)
+        for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                     "all_proxy"):  # a proxy between: datasets is left to find out
+            patch.delenv(name, raising=False)
+        patch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
+        started = time.monotonic()
+        refused("hf:nobody/no-such-dataset", r"read as a dataset name on the Hub \(the Hub is out of reach here, "
+                                             r"127\.0\.0\.1:9 Connection refused: from the local cache only\. Without "
+                                             r"internet, save the dataset with datasets' save_to_disk on a machine "
+                                             r"that has it and pass hf:FOLDER\)")
+        assert time.monotonic() - started < 5 and os.environ["HF_HUB_OFFLINE"] == "1"
+        assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
     refused(f"hf:parquet:{tmp_path / 'none' / '*.parquet'}", r"cannot load hf:parquet:.*, read as parquet files "
                                                               r"matching '.*none/\*\.parquet': \S")
     # every script's flags are read through hf_options, which refuses them for a folder
