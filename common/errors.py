@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -87,11 +88,26 @@ def refuse_several_processes(tool):
 def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
     signal.signal(signal.SIGTERM, _terminated)
+    end_with_the_launcher()
     try:
         call_main(main, args)
     except SystemExit as stop:
         end_process(stop.code)
     end_process(0)
+
+
+def end_with_the_launcher():
+    """A process of a launcher (torchrun, accelerate launch: LOCAL_RANK set) gets SIGTERM when the launcher dies
+    without ending it (kill -9, the OOM killer): a run then saves a checkpoint and stops as on a preemption, instead
+    of training on as an orphan that holds the run folder (and a GPU) until it ends. Linux's prctl(PR_SET_PDEATHSIG);
+    a launcher starts its processes from its main thread, whose end is the signal's cue."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it died before that line
+        print("the launcher of this process has ended: nothing to do", file=sys.stderr, flush=True)
+        end_process(143)
 
 
 def end_process(code):

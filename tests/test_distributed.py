@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.mnist import build_digits
-from conftest import (CPU_CONFIG, REPO, TIMES, assert_each_test_sample_counted_once,
+from conftest import (CPU_CONFIG, REPO, TIMES, all_gone, assert_each_test_sample_counted_once,
                       assert_two_processes_shared_the_data, descendants, kill_everything, launch_command, launch_warm,
                       read_run, run_command, spawn, wait_for, same_value, script, worker_pid)
 
@@ -336,6 +336,25 @@ def test_a_killed_process_ends_the_whole_launch(tmp_path):
     assert code != 0 and took < 60, (code, took, output)
     # torchrun names the dead process as the root cause
     assert re.search(r"Root Cause[^=]*rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", output), output
+
+
+def test_a_killed_launcher_stops_its_processes_as_a_sigterm_does(tmp_path):
+    """kill -9 of the launcher (the PID a user sees first, or the OOM killer's choice) left its processes training on
+    as orphans, holding the run folder; now each gets SIGTERM as the launcher dies: a checkpoint, the lock let go."""
+    launcher = start_long_run(tmp_path)  # 200 epochs: minutes, were the processes to train on
+    workers = [worker_pid(launcher.pid, rank=rank) for rank in (0, 1)]
+    try:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        ended = all_gone(workers, timeout=60)
+    finally:
+        kill_everything(launcher, *workers)
+    output, run = (tmp_path / "log").read_text(), tmp_path / "run"
+    assert ended, output
+    saved = re.search(r"stopped by SIGTERM at epoch \d+, step \d+: saved (\S+)\. Run the same command with --resume "
+                      r"latest to continue\.", output)
+    assert saved and (run / "checkpoints" / "latest").read_text().strip() == Path(saved[1]).name, output
+    assert not (run / ".lock").exists()  # the next launch may take the folder
 
 
 def test_a_second_death_past_max_restarts_ends_the_launch(tmp_path):
