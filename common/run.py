@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import STARTED, BatchNormMerge
-from .errors import TERMINATED, Interrupted, Terminated, UserError
+from .errors import TERMINATED, Interrupted, Terminated, UserError, on_hangup
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
@@ -66,6 +66,7 @@ def catch_sigterm():
     if TERMINATED:
         raise Terminated
     signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
+    on_hangup(lambda signum, frame: _signals_received.append(signum))  # the terminal closed: the same stop
 
 
 def names_the_last_checkpoint(method):
@@ -322,7 +323,8 @@ class TrainingRun:
         path = save_checkpoint(self.accelerator, self.output_dir, name, state=state, keep=self.keep_checkpoints,
                                later=not stop)  # published while the next epoch trains
         if stop:
-            self.accelerator.print(f"stopped by SIGTERM at epoch {self.epoch}, step {self.step}: saved {path}. "
+            self.accelerator.print(f"stopped by {signal.Signals(_signals_received[0]).name} at epoch {self.epoch}, "
+                                   f"step {self.step}: saved {path}. "
                                    "Run the same command with --resume latest to continue.")
             raise Interrupted(path)
 

@@ -1,6 +1,7 @@
 """Failure paths: an error never hangs, a run folder has one writer, a full disk or a kill strands nothing, a damaged
 checkpoint is never used, and a careless command gets one message, not a traceback."""
 
+import fcntl
 import json
 import os
 import re
@@ -9,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -246,6 +249,59 @@ def test_ctrl_c_is_said_once_and_ends_every_process_of_the_run(tmp_path, seedlin
     assert family and all_gone(family), output
     latest = (output_dir / "checkpoints" / "latest").read_text().strip()
     assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, seedlings, processes):
+    """Closing the terminal (an SSH session lost) hangs it up: SIGHUP to the processes on it, and every later write
+    to it fails (EIO). They died where they stood, leaving the run folder's lock and a half-written best/; now they
+    save a checkpoint and stop as on SIGTERM, what they print from then on sent to /dev/null. Under nohup SIGHUP is
+    ignored, and stays so."""
+    from common.errors import on_hangup
+
+    output_dir = tmp_path / "run"
+    args = ["--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS, "--epochs", 500]
+    command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
+                                                                                          *args]
+    master, terminal = os.openpty()
+
+    def on_the_terminal():  # the leader of a session whose controlling terminal it is, as a shell starts a command
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    process = subprocess.Popen(list(map(str, command)), stdin=terminal, stdout=terminal, stderr=terminal, cwd=REPO,
+                               preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(terminal)
+    shown = bytearray()
+    threading.Thread(target=lambda: [shown.extend(chunk) for chunk in iter(lambda: _read(master), b"")],
+                     daemon=True).start()
+    family = set()
+    try:
+        wait_for(lambda: family.update(descendants(process.pid)[1:]) or b"epoch 2/500" in shown, process)
+        os.close(master)  # the terminal closed
+        code = process.wait(timeout=60)
+    finally:
+        kill_everything(process)
+    assert family and all_gone(family), bytes(shown[-3000:])
+    assert code == 143 if processes == 1 else code != 0, bytes(shown[-3000:])  # the launcher: torchrun's traceback
+    assert not (output_dir / ".lock").exists() and not list(output_dir.glob(".*.tmp"))
+    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup's
+    try:
+        on_hangup(lambda signum, frame: None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def _read(fd):
+    """What a terminal's master end has, or b"" once it is closed."""
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""
 
 
 @pytest.mark.slow
