@@ -12,6 +12,7 @@ import stat
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -121,13 +122,22 @@ def on_hangup(handler):
 
 
 def end_with_the_launcher():
-    """A process of a launcher (torchrun, accelerate launch: LOCAL_RANK set) gets SIGTERM when the launcher dies
-    without ending it (kill -9, the OOM killer): a run then saves a checkpoint and stops as on a preemption, instead
-    of training on as an orphan that holds the run folder (and a GPU) until it ends. Linux's prctl(PR_SET_PDEATHSIG);
-    a launcher starts its processes from its main thread, whose end is the signal's cue."""
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+    """A process of a launcher (torchrun's, LOCAL_RANK set; accelerate launch's of one process, which sets none)
+    gets SIGTERM when the launcher dies without ending it (kill -9, the OOM killer): a run then saves a checkpoint and
+    stops as on a preemption, instead of training on as an orphan that holds the run folder (and a GPU) until it
+    ends. Linux's prctl(PR_SET_PDEATHSIG); a launcher starts its processes from its main thread, whose end is the
+    signal's cue. Never for a parent that is not a launcher: a shell's end must not stop a run started with nohup."""
+    if not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
+    try:
+        command = Path(f"/proc/{launcher}/cmdline").read_bytes().split(b"\0")[:4]
+    except OSError:
+        command = []
+    accelerate = b"accelerate.commands.launch" in command or (
+        b"launch" in command and any(part.rsplit(b"/", 1)[-1] == b"accelerate" for part in command))
+    if "LOCAL_RANK" not in os.environ and not accelerate:
+        return
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != launcher:  # it died before that line
         print("the launcher of this process has ended: nothing to do", file=sys.stderr, flush=True)

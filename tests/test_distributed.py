@@ -338,19 +338,27 @@ def test_a_killed_process_ends_the_whole_launch(tmp_path):
     assert re.search(r"Root Cause[^=]*rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", output), output
 
 
-def test_a_killed_launcher_stops_its_processes_as_a_sigterm_does(tmp_path):
+@pytest.mark.parametrize("config", ["cpu.yaml", "1gpu.yaml"])  # torchrun's 2 processes; Accelerate's own 1
+def test_a_killed_launcher_stops_its_processes_as_a_sigterm_does(tmp_path, config):
     """kill -9 of the launcher (the PID a user sees first, or the OOM killer's choice) left its processes training on
     as orphans, holding the run folder; now each gets SIGTERM as the launcher dies: a checkpoint, the lock let go."""
-    launcher = start_long_run(tmp_path)  # 200 epochs: minutes, were the processes to train on
-    workers = [worker_pid(launcher.pid, rank=rank) for rank in (0, 1)]
+    if config == "cpu.yaml":
+        launcher = start_long_run(tmp_path)
+    else:  # Accelerate starts the one process itself, with no torchrun between
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", REPO / "accelerate_configs" /
+                   config, MNIST, "--dataset", "digits", "--epochs", 200, "--batch_size", 16, "--output_dir",
+                   tmp_path / "run"]
+        launcher = spawn(list(map(str, command)), log=tmp_path / "log")
+        wait_for(lambda: (tmp_path / "run" / "checkpoints" / "epoch_001_end").exists(), launcher)
+    workers = descendants(launcher.pid)[1:]
     try:
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
-        ended = all_gone(workers, timeout=60)
+        ended = all_gone(workers, timeout=60)  # 200 epochs: minutes, were the processes to train on
     finally:
         kill_everything(launcher, *workers)
     output, run = (tmp_path / "log").read_text(), tmp_path / "run"
-    assert ended, output
+    assert workers and ended, output
     saved = re.search(r"stopped by SIGTERM at epoch \d+, step \d+: saved (\S+)\. Run the same command with --resume "
                       r"latest to continue\.", output)
     assert saved and (run / "checkpoints" / "latest").read_text().strip() == Path(saved[1]).name, output
