@@ -1,6 +1,7 @@
 """Failure paths: an error never hangs, a run folder has one writer, a full disk or a kill strands nothing, a damaged
 checkpoint is never used, and a careless command gets one message, not a traceback."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -11,7 +12,6 @@ import socket
 import subprocess
 import sys
 import termios
-import threading
 import time
 from pathlib import Path
 
@@ -273,13 +273,21 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
     process = subprocess.Popen(list(map(str, command)), stdin=terminal, stdout=terminal, stderr=terminal, cwd=REPO,
                                preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(terminal)
-    shown = bytearray()
-    threading.Thread(target=lambda: [shown.extend(chunk) for chunk in iter(lambda: _read(master), b"")],
-                     daemon=True).start()
-    family = set()
+    os.set_blocking(master, False)
+    shown, family = bytearray(), set()
+
+    def read_the_terminal():  # what it shows so far (the run would wait on a full terminal)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(master, 1 << 16):
+                shown.extend(chunk)
+        return shown
+
     try:
-        wait_for(lambda: family.update(descendants(process.pid)[1:]) or b"epoch 2/500" in shown, process)
+        wait_for(lambda: family.update(descendants(process.pid)[1:]) or b"epoch 2/500" in read_the_terminal(),
+                 process)
+    finally:
         os.close(master)  # the terminal closed
+    try:
         code = process.wait(timeout=60)
     finally:
         kill_everything(process)
@@ -294,14 +302,6 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
-
-
-def _read(fd):
-    """What a terminal's master end has, or b"" once it is closed."""
-    try:
-        return os.read(fd, 1 << 16)
-    except OSError:
-        return b""
 
 
 @pytest.mark.slow
