@@ -63,8 +63,6 @@ def sigterm_deferred():
 def _default_sigterm_in_a_fork():  # a process forked meanwhile (a decode helper) ends on SIGTERM as it did
     if signal.getsignal(signal.SIGTERM) is _terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if getattr(signal.getsignal(signal.SIGHUP), "then", None) is _terminated:  # and on SIGHUP (on_hangup)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 os.register_at_fork(after_in_child=_default_sigterm_in_a_fork)
@@ -92,7 +90,7 @@ def refuse_several_processes(tool):
 def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
     signal.signal(signal.SIGTERM, _terminated)
-    on_hangup(_terminated)
+    on_hangup()
     end_with_the_launcher()
     try:
         call_main(main, args)
@@ -101,24 +99,28 @@ def run_main(main, args):
     end_process(0)
 
 
-def on_hangup(handler):
-    """SIGHUP (the terminal closed: an SSH session lost, a laptop shut) handled as `handler` handles SIGTERM, once the
-    descriptors on that terminal point at /dev/null: writing to a closed terminal fails (EIO), which would end the run
-    at its next progress line. A SIGHUP ignored (nohup) stays ignored."""
-    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
-        return
+def on_hangup():
+    """SIGHUP (the terminal closed: an SSH session lost, a laptop shut) handled as SIGTERM is at that moment (before
+    training, a deferral, the run's stop at a step, a forked helper's default, DataLoader workers' ignoring it), once
+    the descriptors on that terminal point at /dev/null: writing to a closed terminal fails (EIO), which would end the
+    run at its next progress line. A SIGHUP ignored (nohup) stays ignored."""
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _hung_up)
 
-    def hung_up(signum, frame):
-        nowhere = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # a terminal's, hung up: a character device still, though no longer a tty to isatty
-            with contextlib.suppress(OSError):
-                if stat.S_ISCHR(os.fstat(fd).st_mode):
-                    os.dup2(nowhere, fd)
-        os.close(nowhere)
+
+def _hung_up(signum, frame):
+    nowhere = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # a terminal's, hung up: a character device still, though no longer a tty to isatty
+        with contextlib.suppress(OSError):
+            if stat.S_ISCHR(os.fstat(fd).st_mode):
+                os.dup2(nowhere, fd)
+    os.close(nowhere)
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
         handler(signum, frame)
-
-    hung_up.then = handler
-    signal.signal(signal.SIGHUP, hung_up)
+    elif handler is not signal.SIG_IGN:  # SIGTERM at its default: the process ends of SIGHUP, as it did
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGHUP)
 
 
 def end_with_the_launcher():

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import STARTED, BatchNormMerge
-from .errors import TERMINATED, Interrupted, Terminated, UserError, on_hangup
+from .errors import TERMINATED, Interrupted, Terminated, UserError
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
@@ -65,8 +65,7 @@ def catch_sigterm():
     step."""
     if TERMINATED:
         raise Terminated
-    signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))
-    on_hangup(lambda signum, frame: _signals_received.append(signum))  # the terminal closed: the same stop
+    signal.signal(signal.SIGTERM, lambda signum, frame: _signals_received.append(signum))  # SIGHUP too (on_hangup)
 
 
 def names_the_last_checkpoint(method):

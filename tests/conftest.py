@@ -94,9 +94,9 @@ def script(name, *args):
     """`python scripts/NAME ARGS` as one process would run it, but in this process: its main under call_main, what it
     and its DataLoader workers write to stdout and stderr captured (Python's and the C libraries'), SystemExit as the
     exit code, an uncaught exception as exit code 1 with its traceback; then the state a run leaves in its process
-    (Accelerate's, the SIGTERM, SIGINT and SIGHUP handlers, the run folder's lock, torch's thread count) put back. It
-    saves each call an interpreter with torch and Accelerate to start (seconds on a 2-core CPU). Where a process is the
-    point (signals, a launcher, an environment), the tests start one: `run_command` or `launch`."""
+    (Accelerate's, the SIGTERM and SIGINT handlers, the run folder's lock, torch's thread count) put back. It saves
+    each call an interpreter with torch and Accelerate to start (seconds on a 2-core CPU). Where a process is the point
+    (signals, a launcher, an environment), the tests start one: `run_command` or `launch`."""
     from accelerate.state import AcceleratorState, GradientState
 
     from common import run
@@ -106,8 +106,7 @@ def script(name, *args):
     module = load_script(name)
     argv, saved = [str(REPO / "scripts" / name), *map(str, args)], (sys.argv, sys.stdout, sys.stderr,
                                                                      signal.getsignal(signal.SIGTERM),
-                                                                     signal.getsignal(signal.SIGINT),
-                                                                     signal.getsignal(signal.SIGHUP))
+                                                                     signal.getsignal(signal.SIGINT))
     threads, code = torch.get_num_threads(), 0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         saved[1].flush(), saved[2].flush()
@@ -141,7 +140,6 @@ def script(name, *args):
             sys.argv, sys.stdout, sys.stderr = saved[:3]
             signal.signal(signal.SIGTERM, saved[3])
             signal.signal(signal.SIGINT, saved[4])  # a Ctrl-C's exit ignores the next (common.errors.call_main)
-            signal.signal(signal.SIGHUP, saved[5])
             run._signals_received.clear()
             unlock_output_dirs()
             AcceleratorState._reset_state(True)

@@ -298,7 +298,7 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
     assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup's
     try:
-        on_hangup(lambda signum, frame: None)
+        on_hangup()
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
