@@ -123,22 +123,29 @@ def _hung_up(signum, frame):
         os.kill(os.getpid(), signal.SIGHUP)
 
 
-def end_with_the_launcher():
-    """A process of a launcher (torchrun's, LOCAL_RANK set; accelerate launch's of one process, which sets none)
-    gets SIGTERM when the launcher dies without ending it (kill -9, the OOM killer): a run then saves a checkpoint and
-    stops as on a preemption, instead of training on as an orphan that holds the run folder (and a GPU) until it
-    ends. Linux's prctl(PR_SET_PDEATHSIG); a launcher starts its processes from its main thread, whose end is the
-    signal's cue. Never for a parent that is not a launcher: a shell's end must not stop a run started with nohup."""
-    if not sys.platform.startswith("linux"):
-        return
-    launcher = os.getppid()
+def launcher_pid():
+    """The process that launched this one (its parent) where that is a launcher: torchrun (LOCAL_RANK set) or
+    Accelerate's one-process launch (which sets none: told by the parent's command line); else None."""
+    parent = os.getppid()
+    if "LOCAL_RANK" in os.environ:
+        return parent
     try:
-        command = Path(f"/proc/{launcher}/cmdline").read_bytes().split(b"\0")[:4]
-    except OSError:
-        command = []
+        command = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")[:4]
+    except OSError:  # not Linux
+        return None
     accelerate = b"accelerate.commands.launch" in command or (
         b"launch" in command and any(part.rsplit(b"/", 1)[-1] == b"accelerate" for part in command))
-    if "LOCAL_RANK" not in os.environ and not accelerate:
+    return parent if accelerate else None
+
+
+def end_with_the_launcher():
+    """A process of a launcher (`launcher_pid`) gets SIGTERM when the launcher dies without ending it (kill -9, the
+    OOM killer): a run then saves a checkpoint and stops as on a preemption, instead of training on as an orphan that
+    holds the run folder (and a GPU) until it ends. Linux's prctl(PR_SET_PDEATHSIG); a launcher starts its processes
+    from its main thread, whose end is the signal's cue. Never for a parent that is not a launcher: a shell's end must
+    not stop a run started with nohup."""
+    launcher = launcher_pid() if sys.platform.startswith("linux") else None
+    if launcher is None:
         return
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != launcher:  # it died before that line

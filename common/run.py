@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import STARTED, BatchNormMerge
-from .errors import TERMINATED, Interrupted, Terminated, UserError
+from .errors import TERMINATED, Interrupted, Terminated, UserError, launcher_pid
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
@@ -102,12 +102,15 @@ def count_steps(train_dataloader, *, epochs, max_steps):
 @functools.cache
 def launch_clock():
     """(when, in time.time(), and what): the launcher's start for a process that accelerate launch or torchrun
-    started (its parent), else this process's."""
+    started (common.errors.launcher_pid), else this process's."""
     import psutil  # Accelerate's dependency
 
-    process = psutil.Process()
-    launcher = process.parent() if "LOCAL_RANK" in os.environ else None
-    return started_at(launcher or process), "launch" if launcher else "process started"
+    pid = launcher_pid()
+    try:
+        launcher = psutil.Process(pid) if pid else None
+    except psutil.Error:  # gone already
+        launcher = None
+    return started_at(launcher or psutil.Process()), "launch" if launcher else "process started"
 
 
 def started_at(process):
