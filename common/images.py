@@ -190,16 +190,16 @@ def stratified_split(labels, *, test_fraction, seed):
 def read_image(path, *, channels=3):
     """An image file (or a source with `open()`, a Hugging Face dataset's image: common.hf.HFImage) as an RGB
     (`channels` 3) or grayscale PIL image; OSError or ValueError if unreadable."""
+    a_file = isinstance(path, (str, os.PathLike))
     try:
-        with Image.open(path if isinstance(path, (str, os.PathLike)) else path.open()) as image:
+        with Image.open(path if a_file else path.open()) as image:
             return convert_image(image, channels=channels)
     except Image.DecompressionBombError as error:  # not an OSError: make it one more unreadable image
         size = re.search(r"\((\d+) pixels\)", str(error))
         raise ValueError(f"{int(size[1]):,} pixels, more than Pillow opens (its guard against decompression "
                          f"bombs: {2 * Image.MAX_IMAGE_PIXELS:,}); the scripts resize it to a few hundred pixels a "
-                         "side anyway, so downscale it once beforehand (e.g. ImageMagick: "
-                         f"mogrify -resize '4096x4096>' {path if isinstance(path, (str, os.PathLike)) else 'FILE'})"
-                         if size else str(error)) from None
+                         "side anyway, so downscale it once beforehand (e.g. ImageMagick: mogrify -resize "
+                         f"'4096x4096>' {path if a_file else 'FILE'})" if size else str(error)) from None
 
 
 def convert_image(image, *, channels=3):
