@@ -157,7 +157,9 @@ def hub_out_of_reach(timeout=5):
         return None
     from huggingface_hub import constants
 
-    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    url = urllib.parse.urlsplit(constants.ENDPOINT)  # one urllib cannot split stops huggingface_hub's own import
+    if not url.hostname:
+        return f"HF_ENDPOINT={constants.ENDPOINT!r} is not a URL such as https://huggingface.co"
     address = (url.hostname, url.port or (80 if url.scheme == "http" else 443))
     try:
         socket.create_connection(address, timeout=timeout).close()

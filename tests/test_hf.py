@@ -274,6 +274,11 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
                                              r"that has it and pass hf:FOLDER\)")
         assert time.monotonic() - started < 5 and os.environ["HF_HUB_OFFLINE"] == "1"
         assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
+        for module in (datasets.config, huggingface_hub.constants):  # online again
+            patch.setattr(module, "HF_HUB_OFFLINE", False)
+        patch.setattr(huggingface_hub.constants, "ENDPOINT", "huggingface.co")  # HF_ENDPOINT without its https://
+        refused("hf:nobody/no-such-dataset", r"\(the Hub is out of reach here, HF_ENDPOINT='huggingface\.co' is not a "
+                                             r"URL such as https://huggingface\.co: from the local cache only\.")
     refused(f"hf:parquet:{tmp_path / 'none' / '*.parquet'}", r"cannot load hf:parquet:.*, read as parquet files "
                                                               r"matching '.*none/\*\.parquet': \S")
     # every script's flags are read through hf_options, which refuses them for a folder
