@@ -222,6 +222,34 @@ def call_main(main, args):
                           "Continue from the last checkpoint with --resume latest.", 1, consequence=True)
 
 
+def a_neighbour_ended(wait_s):
+    """Whether one of the other processes its launcher started on this machine (LOCAL_WORLD_SIZE of them: the
+    parent's children with this one's command line) has ended, or ends within `wait_s`. True where that cannot be
+    told."""
+    import psutil  # Accelerate's dependency
+
+    def running(process):
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE and process.cmdline() == command
+        except psutil.Error:  # ended and gone since
+            return False
+
+    others = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1
+    if others < 1:
+        return False
+    deadline = time.monotonic() + wait_s
+    try:
+        me = psutil.Process()
+        launcher, command = me.parent(), me.cmdline()
+        while sum(running(p) for p in launcher.children() if p.pid != me.pid) >= others:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except (psutil.Error, AttributeError):  # AttributeError: no parent left (None)
+        pass
+    return True
+
+
 def raised_in_a_worker(error):
     """The message of a UserError a DataLoader worker raised, which comes back as one whose message is the worker's
     whole traceback (torch's ExceptionWrapper): its last line, without the exception's name; else None."""
@@ -247,20 +275,27 @@ def out_of_memory(error):
 
 # under torchrun, how long a process that may not be the first to fail waits before it reports: long enough for
 # the launcher to see the first one's exit (it looks every 0.1 s; a process ends without the interpreter's
-# teardown) and stop the others; a machine whose process failed as a consequence waits it out before its
-# launcher can report or restart
+# teardown) and stop the others
 REPORT_GRACE_S = 5
+# how long a process failing as a consequence waits for one of its launcher's other processes on this machine to
+# end, before it takes the cause to be elsewhere (another machine, a hung process) and reports at once: a process
+# that lost its peer sees it once the peer's sockets close, at its end or in its teardown
+NEIGHBOUR_END_S = 2
 
 
 def exit_with_message(message, code, *, consequence=False):
     """Show `message` once, then exit with `code`. Under torchrun it goes into TORCHELASTIC_ERROR_FILE, which the
     launcher's failure table shows (printing would repeat it per process); elsewhere it goes to stderr. A process
-    not local rank 0, or failing as a `consequence`, first waits REPORT_GRACE_S, so the first failure shows alone."""
+    not local rank 0, or failing as a `consequence` of a process on this machine that ended, first waits
+    REPORT_GRACE_S (the launcher stops it meanwhile), so the first failure shows alone. A consequence of a failure
+    elsewhere (another machine's process, a hung one) is reported at once: nothing would stop the wait, and the
+    launcher would restart or end the run only after it."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         if consequence or os.environ.get("LOCAL_RANK", "0") != "0":
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # catch_sigterm's handler would keep this one alive
-            time.sleep(REPORT_GRACE_S)
+            if not consequence or a_neighbour_ended(NEIGHBOUR_END_S):
+                time.sleep(REPORT_GRACE_S)
         try:  # torch.distributed.elastic's ErrorHandler format; the table shows ["message"]["message"]
             with open(error_file, "w") as file:
                 json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, file)

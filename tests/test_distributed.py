@@ -427,6 +427,49 @@ def test_a_lost_peer_is_said_in_one_line_whichever_collective_noticed_it(tmp_pat
         assert ("Traceback" in result.output) != one_line, result.output
 
 
+# a launcher of 2 processes as torchrun starts them (the same command line, LOCAL_RANK and LOCAL_WORLD_SIZE): local
+# rank 1 ends at once (CAUSE=ends) or hangs; local rank 0 prints a_neighbour_ended(WAIT)
+NEIGHBOURS = """
+import os, subprocess, sys
+child = (f"import os, sys, time; sys.path.insert(0, {sys.argv[1]!r})\\n"
+         "if os.environ['LOCAL_RANK'] == '1':\\n"
+         "    os._exit(3) if os.environ['CAUSE'] == 'ends' else time.sleep(600)\\n"
+         "from common.errors import a_neighbour_ended\\n"
+         "print(a_neighbour_ended(float(os.environ['WAIT'])))")
+ranks = [subprocess.Popen([sys.executable, '-c', child], env={**os.environ, 'LOCAL_RANK': rank}) for rank in '10']
+ranks[1].wait()
+ranks[0].kill()
+"""
+
+
+def test_a_process_that_lost_its_peer_waits_for_the_launcher_only_where_a_process_of_its_own_machine_ended(
+        tmp_path, monkeypatch):
+    """A collective's "lost the other processes" waits REPORT_GRACE_S before it reports (the launcher stops it
+    meanwhile) only where one of its launcher's processes on this machine ended, the cause, which the failure table
+    then shows alone; a cause elsewhere (another machine's process: a node's only process, a hung one) is reported
+    at once, so that the launcher restarts or ends the run without the 5 s wait."""
+    import common.errors
+
+    for cause, processes, wait, expected in (("ends", "2", 120, "True"), ("hangs", "2", 0.3, "False"),
+                                             ("ends", "1", 120, "False")):
+        result = run_command([sys.executable, "-c", NEIGHBOURS, str(REPO)],
+                             env={"CAUSE": cause, "LOCAL_WORLD_SIZE": processes, "WAIT": str(wait)}, timeout=60)
+        assert result.stdout.strip() == expected, (cause, processes, result.output)
+    slept, error_file = [], tmp_path / "error.json"
+    monkeypatch.setattr(common.errors.time, "sleep", slept.append)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        for ended in (False, True):
+            monkeypatch.setattr(common.errors, "a_neighbour_ended", lambda wait_s: ended)
+            with pytest.raises(SystemExit):
+                common.errors.exit_with_message("error: lost the other processes (...)", 1, consequence=True)
+            assert slept == ([common.errors.REPORT_GRACE_S] if ended else [])
+            assert json.loads(error_file.read_text())["message"]["message"] == "error: lost the other processes (...)"
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
 # ---- the loss diverges ----
 
 def test_a_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
