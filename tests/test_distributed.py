@@ -199,7 +199,7 @@ def slurm_job(tmp_path, **environment):
                 'wait $job || status=1; done\nexit $status\n',
         "scontrol": '#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n',  # `scontrol show hostnames`: first node first
         "accelerate": f'#!/bin/bash\nexec {sys.executable} -m accelerate.commands.accelerate_cli "$@"\n',
-        "torchrun": f'#!/bin/bash\nexec {sys.executable} -m torch.distributed.run "$@"\n',
+        "torchrun": f'#!/bin/bash\necho "torchrun $*"\nexec {sys.executable} -m torch.distributed.run "$@"\n',
     }
     for name, text in fakes.items():
         (bin_dir / name).write_text(text)
@@ -252,6 +252,9 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
 @pytest.mark.parametrize("environment, message", [
     ({"MIN_NODES": "1", "LAST_CALL_TIMEOUT": "2s"},
      "error: LAST_CALL_TIMEOUT=2s: a whole number of seconds (torchrun's last_call_timeout), e.g. 30"),
+    ({"MIN_NODES": "1", "RDZV_CONF": "keep_alive_interval 2"},
+     "error: RDZV_CONF=keep_alive_interval 2: torchrun's rendezvous settings as key=value,key=value, e.g. "
+     "keep_alive_interval=2,keep_alive_max_attempt=3"),
     *(({"MIN_NODES": value}, f"error: MIN_NODES={value}: a whole number of nodes from 1 to the job's 2, the fewest "
        "the job goes on with when others are lost") for value in ("abc", "0", "3"))])  # torchrun's traceback per node
 def test_an_elastic_setting_out_of_range_is_one_line_before_anything_starts(tmp_path, environment, message):
@@ -287,8 +290,10 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path)
     killed after the first checkpoint (a node failure under `sbatch --no-kill`); node 0's process fails on the lost
     peer, its launcher meets alone and starts it again, and it goes on from checkpoints/latest as 1 process x 2
     accumulation steps, with the global batch, the steps and the samples of the 2-process run, to the end. Node 0
-    waits 2 s, not torchrun's 30, for the lost node to come back (LAST_CALL_TIMEOUT)."""
-    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="2")
+    waits 2 s, not torchrun's 30, for the lost node to come back (LAST_CALL_TIMEOUT), once it counts it gone after
+    2 s without its heartbeat, not torchrun's 15 (RDZV_CONF)."""
+    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="2",
+                         RDZV_CONF="keep_alive_interval=1,keep_alive_max_attempt=2")
     output_dir = tmp_path / "run"
     process = spawn(job, log=tmp_path / "job.log", env=env)
     try:
@@ -302,6 +307,7 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path)
         kill_everything(process)
     assert "2 nodes (elastic: at least 1) x 1 processes" in (tmp_path / "job.log").read_text()
     output = (tmp_path / "node0.log").read_text()
+    assert "--rdzv_conf is_host=1,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2 " in output
     assert "this launch has 1 x 2: the same global batch and samples" in output, output
     metrics, report = read_run(output_dir)
     assert [record["epoch"] for record in metrics] == [1, 2, 3, 4]
