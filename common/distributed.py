@@ -103,7 +103,11 @@ def choose_mixed_precision(given, *, cpu):
     without bf16 instructions, where it runs slower; only the flag forces it."""
     if given:
         return given, None
-    config = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    config = os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() or None  # a config's BF16 is bf16 to Accelerate
+    if config not in (None, "no", "fp16", "bf16", "fp8"):  # set by hand (a launcher checks its own)
+        raise UserError(f"ACCELERATE_MIXED_PRECISION={os.environ['ACCELERATE_MIXED_PRECISION']} is not a mixed "
+                        "precision Accelerate knows (no, fp16, bf16, fp8): unset it, or pass --mixed_precision no, "
+                        "bf16 or fp16")
     native = cpu_computes_bf16() if cpu else torch.cuda.is_bf16_supported()
     if config is None:
         return "bf16" if native else "no", None

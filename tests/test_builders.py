@@ -21,7 +21,7 @@ from common.data import build_dataloader, preprocess
 from common.folders import random_resized_crop
 from common.mnist import build_digits, build_mnist, read_idx
 from common.models import build_model
-from conftest import FASHION_MNIST, REPO, require, run_command, write_idx
+from conftest import FASHION_MNIST, REPO, refused, require, run_command, write_idx
 
 
 # --- IDX / MNIST ---------------------------------------------------------------------------------
@@ -593,7 +593,7 @@ def test_a_script_imports_only_what_its_start_needs(name):
 
 @pytest.mark.parametrize("has_bf16, config, flag, expected", [
     (True, "bf16", None, "bf16"), (False, "bf16", None, "no"), (False, "bf16", "bf16", "bf16"), (True, "no", None, "no"),
-    (True, None, None, "bf16"), (False, None, None, "no"), (True, None, "no", "no")])
+    (True, None, None, "bf16"), (False, None, None, "no"), (True, None, "no", "no"), (False, "BF16", None, "no")])
 def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_instructions(has_bf16, config, flag,
                                                                                                 expected, monkeypatch,
                                                                                                 capsys):
@@ -615,7 +615,16 @@ def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     fell_back = "the accelerate config asks for bf16, but this CPU has no bf16 instructions" in capsys.readouterr().out
-    assert fell_back == (config == "bf16" and expected == "no")
+    assert fell_back == (config in ("bf16", "BF16") and expected == "no")
+
+
+def test_a_mixed_precision_set_by_hand_that_accelerate_does_not_know_is_one_message(tmp_path, monkeypatch):
+    """ACCELERATE_MIXED_PRECISION exported by hand (a launcher checks its config's own): was Accelerate's traceback."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp64")
+    message = refused("train_mnist.py", "--dataset", "digits", "--output_dir", tmp_path / "run")
+    assert message.strip() == ("error: ACCELERATE_MIXED_PRECISION=fp64 is not a mixed precision Accelerate knows (no, "
+                               "fp16, bf16, fp8): unset it, or pass --mixed_precision no, bf16 or fp16")
+    assert not (tmp_path / "run").exists()
 
 
 def test_pytorch_kept_to_avx2_counts_as_a_cpu_without_bf16_instructions():
