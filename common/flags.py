@@ -114,6 +114,8 @@ def device(text):
         value = torch.device(text)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if value.type not in ("cpu", "cuda"):  # torch's mps, xpu, meta ...: the scripts would run on the CPU instead
+        raise argparse.ArgumentTypeError(f"{text}: these scripts run on cpu, cuda or cuda:N only")
     if value.type == "cuda" and (not torch.cuda.is_available() or (value.index or 0) >= torch.cuda.device_count()):
         raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices; "
                                          "use --device cpu")

@@ -124,12 +124,15 @@ def test_a_tilde_the_shell_left_in_a_path_is_the_home_folder(tmp_path, monkeypat
         assert getattr(load_script(name).parse_args(argv), key) == expected, name
 
 
-def test_device_cuda_without_a_gpu_is_refused_at_parse_time(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(SystemExit):
-        load_script("predict.py").parse_args([*TOOLS["predict.py"], "--device", "cuda"])
-    assert "this machine has 0 CUDA devices; use --device cpu" in capsys.readouterr().err
+def test_a_device_the_scripts_cannot_use_is_refused_at_parse_time(capsys):
+    """cuda without a GPU; torch's other device types (mps, xpu, meta), on which predict.py ran on the CPU."""
+    for device, message in [*([] if torch.cuda.is_available() else [
+                                ("cuda", "cuda: this machine has 0 CUDA devices; use --device cpu")]),
+                            *((name, f"{name}: these scripts run on cpu, cuda or cuda:N only")
+                              for name in ("mps", "xpu", "meta"))]:
+        with pytest.raises(SystemExit):
+            load_script("predict.py").parse_args([*TOOLS["predict.py"], "--device", device])
+        assert f"argument --device: {message}" in capsys.readouterr().err
 
 
 def test_gpus_named_that_torch_cannot_use_are_refused_before_anything_is_written(tmp_path, monkeypatch):
