@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .distributed import STARTED
+from .distributed import STARTED, prepare_to_evaluate
 from .errors import UserError
 from .outputs import latest_checkpoint, write_atomically
 from .reporting import write_predictions
@@ -121,7 +121,7 @@ def build_ema(model, accelerator, *, decay):
     from timm.utils import ModelEmaV3
 
     ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=decay, use_warmup=True)
-    return accelerator.prepare_model(ema, evaluation_mode=True)
+    return prepare_to_evaluate(accelerator, ema)
 
 
 # ---- what a trained model is: written into best/meta.json and every checkpoint, read by every tool ----

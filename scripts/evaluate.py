@@ -36,7 +36,7 @@ except ModuleNotFoundError as missing:
 from common import cifar, mnist  # noqa: E402
 from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
 from common.decode_cache import decode_split  # noqa: E402
-from common.distributed import build_accelerator  # noqa: E402
+from common.distributed import build_accelerator, prepare_to_evaluate  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, path, positive_int  # noqa: E402
@@ -183,7 +183,7 @@ def main(args):
     else:
         dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
                                            num_workers=args.num_workers)
-    model, dataloader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(dataloader)
+    model, dataloader = prepare_to_evaluate(accelerator, model), accelerator.prepare(dataloader)
     transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
     evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta)
     tta = describe_tta(args.tta)

@@ -25,7 +25,7 @@ except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
 from common.data import preprocess  # noqa: E402
-from common.distributed import build_accelerator  # noqa: E402
+from common.distributed import build_accelerator, prepare_to_evaluate  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import gather_samples, probabilities  # noqa: E402
 from common.exported import load_exported  # noqa: E402
@@ -81,7 +81,7 @@ def main(args):
     images = ImageFiles(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
                              image_size=meta["image_size"])
     dataloader = build_file_dataloader(images, batch_size=args.batch_size, shuffle=False, num_workers=args.num_workers)
-    model = model if exported else accelerator.prepare_model(model, evaluation_mode=True)
+    model = model if exported else prepare_to_evaluate(accelerator, model)
     dataloader = accelerator.prepare(dataloader)
     top_k = min(args.top_k, len(classes))
     if args.top_k > top_k:
