@@ -250,6 +250,17 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
 
 
 @pytest.mark.parametrize("environment, message", [
+    ({"SCRIPT": "scripts/train_cfar.py"}, f"error: SCRIPT=scripts/train_cfar.py: no such file in {REPO} (the folder "
+     "the job was submitted from), e.g. scripts/train_cifar.py"),
+    ({"CONFIG": "accelerate_configs/4gpus.yaml"}, f"error: CONFIG=accelerate_configs/4gpus.yaml: no such file in {REPO}, "
+     "e.g. accelerate_configs/multinode_2x8.yaml"),
+    ({"GPUS_PER_NODE": "0"}, "error: GPUS_PER_NODE=0: a whole number of processes per node, at least 1 (default: the "
+     "GPUs Slurm gave the node)"),  # torchrun's AssertionError on each node
+    *(({"MAIN_PORT": port}, f"error: MAIN_PORT={port}: a TCP port from 1 to 65535, free on the first node")
+      for port in ("abc", "70000")),
+    ({"DIST_TIMEOUT": "10m"}, "error: DIST_TIMEOUT=10m: a whole number of seconds, at least 1 (the script's "
+     "--dist_timeout), e.g. 600"),  # the script's refusal on each node, after each of its restarts
+    ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1: a whole number of restarts, 0 or more, e.g. 2"),
     ({"MIN_NODES": "1", "LAST_CALL_TIMEOUT": "2s"},
      "error: LAST_CALL_TIMEOUT=2s: a whole number of seconds (torchrun's last_call_timeout), e.g. 30"),
     ({"MIN_NODES": "1", "RDZV_CONF": "keep_alive_interval 2"},
@@ -257,7 +268,7 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
      "keep_alive_interval=2,keep_alive_max_attempt=3"),
     *(({"MIN_NODES": value}, f"error: MIN_NODES={value}: a whole number of nodes from 1 to the job's 2, the fewest "
        "the job goes on with when others are lost") for value in ("abc", "0", "3"))])  # torchrun's traceback per node
-def test_an_elastic_setting_out_of_range_is_one_line_before_anything_starts(tmp_path, environment, message):
+def test_a_setting_the_nodes_could_not_use_is_one_line_before_anything_starts(tmp_path, environment, message):
     job, env = slurm_job(tmp_path, **environment)
     result = run_command(job, env=env)
     assert result.returncode == 2 and result.output.strip() == message, result.output
