@@ -209,6 +209,13 @@ def call_main(main, args):
             exit_with_message(f"error: out of memory ({memory}). Lower --batch_size (it is per process; --grad_accum "
                               "keeps the global batch) or the image size, or free the memory other programs hold; with "
                               "checkpoints, --resume latest continues from the last one.", 1)
+        shared = out_of_shared_memory(error)
+        if shared:  # a container's /dev/shm: the DataLoader workers hand their batches over through it
+            exit_with_message(f"error: the DataLoader workers ran out of shared memory ({shared}), through which "
+                              "they hand each batch over. A container's /dev/shm is 64 MB unless it is given more: "
+                              "docker run --shm-size=8g (or --ipc=host; on Kubernetes an emptyDir of medium Memory at "
+                              "/dev/shm); else lower --batch_size or --num_workers (0: no workers, no shared memory, "
+                              "slower). With checkpoints, --resume latest continues from the last one.", 1)
         if not isinstance(error, RuntimeError):
             raise
         # gloo's own words without its name too: "Application timeout caused pair closure" (DDP's buffer broadcast)
@@ -271,6 +278,19 @@ def out_of_memory(error):
     if found:
         return f"the machine's, allocating {int(found.group(2)) / 2 ** 20:,.0f} MiB more"
     return text[:300] if isinstance(error, torch.OutOfMemoryError) else None
+
+
+def out_of_shared_memory(error):
+    """How large /dev/shm is and how much of it is free, if `error` is a DataLoader worker's failure to put a batch
+    there (PyTorch's words for it: an allocation that failed, a worker's bus error); else None."""
+    if not re.search(r"shared memory|\(shm\)|Bus error", str(error)):
+        return None
+    try:
+        disk = os.statvfs("/dev/shm")
+        return (f"/dev/shm holds {disk.f_blocks * disk.f_frsize / 2 ** 20:,.1f} MB, "
+                f"{disk.f_bavail * disk.f_frsize / 2 ** 20:,.1f} MB of it free now")
+    except OSError:
+        return "no /dev/shm"
 
 
 # under torchrun, how long a process that may not be the first to fail waits before it reports: long enough for

@@ -252,8 +252,8 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
 @pytest.mark.parametrize("environment, message", [
     ({"SCRIPT": "scripts/train_cfar.py"}, f"error: SCRIPT=scripts/train_cfar.py: no such file in {REPO} (the folder "
      "the job was submitted from), e.g. scripts/train_cifar.py"),
-    ({"CONFIG": "accelerate_configs/4gpus.yaml"}, f"error: CONFIG=accelerate_configs/4gpus.yaml: no such file in {REPO}, "
-     "e.g. accelerate_configs/multinode_2x8.yaml"),
+    ({"CONFIG": "accelerate_configs/4gpus.yaml"}, f"error: CONFIG=accelerate_configs/4gpus.yaml: no such file in "
+     f"{REPO}, e.g. accelerate_configs/multinode_2x8.yaml"),
     ({"GPUS_PER_NODE": "0"}, "error: GPUS_PER_NODE=0: a whole number of processes per node, at least 1 (default: the "
      "GPUs Slurm gave the node)"),  # torchrun's AssertionError on each node
     *(({"MAIN_PORT": port}, f"error: MAIN_PORT={port}: a TCP port from 1 to 65535, free on the first node")

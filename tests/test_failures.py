@@ -157,6 +157,23 @@ def test_a_batch_too_large_for_the_memory_is_one_message_naming_the_fix(tmp_path
 
 
 @pytest.mark.slow
+def test_a_shared_memory_too_small_for_the_loader_workers_is_one_message_naming_the_fix(tmp_path, seedlings):
+    """A container's 64 MB /dev/shm (Docker's default), through which DataLoader workers hand over their batches, is
+    here half a megabyte in a mount namespace of the run's own: one line naming the fix, not the workers' traceback."""
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    command = [sys.executable, REPO / "scripts" / "train_seedlings.py", "--data_dir", data, *SMALL_SEEDLINGS,
+               "--image_size", 224, "--batch_size", 16, "--output_dir", tmp_path / "run"]
+    small_shm = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=512k tmpfs /dev/shm && exec "$@"', "sh"]
+    if subprocess.run([*small_shm, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small /dev/shm here: needs root and unshare (util-linux)")
+    result = run_command([*small_shm, *command])
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output
+    assert ("error: the DataLoader workers ran out of shared memory (/dev/shm holds 0.5 MB, " in result.output
+            and "docker run --shm-size=8g" in result.output), result.output
+    assert not list(tmp_path.rglob(".lock"))  # the run folder let go (nothing was trained: nothing is kept)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("mode", ["raise", "keep"])
 def test_an_error_or_a_live_worker_at_exit_never_hangs_the_process(tmp_path, seedlings, processes, mode):
