@@ -63,10 +63,11 @@ def require(path, how):
         pytest.skip(message)
 
 
-def launch_command(*args, processes=2):
-    """`accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes N <args>` as a list."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-            "--num_processes", str(processes), *map(str, args)]
+def launch_command(*args, processes=2, config=CPU_CONFIG):
+    """`accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes N <args>` as a list (`config`:
+    another config; `processes` None: the config's own count)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            *(["--num_processes", str(processes)] if processes else []), *map(str, args)]
 
 
 def launch(*args, processes=2, cwd=None, env=None, timeout=600):

@@ -331,11 +331,13 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path)
 
 # ---- a process fails ----
 
-def start_long_run(tmp_path, *extra, launcher_args=()):
-    """2 processes on digits for long enough to be interrupted; returns the launcher once epoch 1 is saved."""
+def start_long_run(tmp_path, *extra, launcher_args=(), config=CPU_CONFIG):
+    """2 processes on digits (or as many as `config` starts) for long enough to be interrupted; returns the launcher
+    once epoch 1 is saved."""
     output_dir = tmp_path / "run"
     launcher = spawn(launch_command(*launcher_args, MNIST, "--dataset", "digits", "--epochs", 200, "--batch_size", 16,
-                                    "--output_dir", output_dir, *extra), log=tmp_path / "log")
+                                    "--output_dir", output_dir, *extra, processes=2 if config == CPU_CONFIG else None,
+                                    config=config), log=tmp_path / "log")
     wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), launcher)
     return launcher
 
@@ -359,14 +361,7 @@ def test_a_killed_process_ends_the_whole_launch(tmp_path):
 def test_a_killed_launcher_stops_its_processes_as_a_sigterm_does(tmp_path, config):
     """kill -9 of the launcher (the PID a user sees first, or the OOM killer's choice) left its processes training on
     as orphans, holding the run folder; now each gets SIGTERM as the launcher dies: a checkpoint, the lock let go."""
-    if config == "cpu.yaml":
-        launcher = start_long_run(tmp_path)
-    else:  # Accelerate starts the one process itself, with no torchrun between
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", REPO / "accelerate_configs" /
-                   config, MNIST, "--dataset", "digits", "--epochs", 200, "--batch_size", 16, "--output_dir",
-                   tmp_path / "run"]
-        launcher = spawn(list(map(str, command)), log=tmp_path / "log")
-        wait_for(lambda: (tmp_path / "run" / "checkpoints" / "epoch_001_end").exists(), launcher)
+    launcher = start_long_run(tmp_path, config=REPO / "accelerate_configs" / config)
     workers = descendants(launcher.pid)[1:]
     try:
         os.kill(launcher.pid, signal.SIGKILL)
