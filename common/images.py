@@ -37,6 +37,7 @@ def list_image_folder(root):
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' + archive_note(root) if root.exists() else 'not found'}: "
                         f"expected a folder of class folders, {root}/<class>/<image>.png")
+    refuse_run_folder(root, expected=f"a folder of class folders, {root}/<class>/<image>.png")
     entries = folder_entries(root)
     classes = sorted(name for name, kind in entries if kind == "dir")
     if not classes:
@@ -62,6 +63,14 @@ def list_image_folder(root):
         skipped += [p for p in entries if p.suffix.lower() not in IMAGE_EXTENSIONS]
         skipped += [root / name / entry for entry, kind in listed if kind == "dir"]
     return files, labels, classes, skipped
+
+
+def refuse_run_folder(folder, *, expected):
+    """A training run's output folder named where images are expected: its plots would be read as the images."""
+    found = [name for name in ("metrics.jsonl", "best/meta.json") if (Path(folder) / name).is_file()]
+    if found:
+        raise UserError(f"{folder} is the output folder of a training run (it holds {' and '.join(found)}), not "
+                        f"images: expected {expected}; name the data the run trained on, or other images")
 
 
 def is_hidden(name):

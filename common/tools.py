@@ -13,7 +13,7 @@ import torch
 
 from .distributed import cpu_computes_bf16
 from .errors import UserError
-from .images import IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, read_image
+from .images import IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, read_image, refuse_run_folder
 from .outputs import remove
 
 
@@ -25,6 +25,7 @@ def find_images(inputs):
         if not item.exists() and not item.is_symlink():
             raise UserError(f"{item} does not exist")
         if entry_kind(item) == "dir":
+            refuse_run_folder(item, expected="image files or folders of them")
             paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
                             and not any(map(is_hidden, p.relative_to(item).parts)) and entry_kind(p) == "file")
         else:

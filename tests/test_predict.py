@@ -3,13 +3,14 @@ predict.py) -> the same predictions."""
 
 import csv
 import json
+import shutil
 import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, launch_warm, run_command, script
+from conftest import REPO, launch_warm, refused, run_command, script
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,27 @@ def test_corrupt_or_foreign_weights_get_a_clear_message(digits_run, tmp_path):
     result = predict("--model_dir", best, "--output", tmp_path / "out.csv", image)
     assert result.returncode == 2 and "is corrupt or not a safetensors file" in result.output
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_a_run_folder_named_where_images_are_expected_is_refused_not_read_as_its_plots(digits_run, tmp_path):
+    """A run's folder holds PNGs (its plots): each tool that reads images says what the folder is instead of
+    predicting, measuring or training on curves.png and confusion_matrix.png; nothing is written."""
+    assert (digits_run / "curves.png").is_file() and (digits_run / "confusion_matrix.png").is_file()
+    for name, args, expected in (
+            ("predict.py", ["--model_dir", digits_run / "best", "--output", tmp_path / "p.csv", digits_run],
+             "image files"),
+            ("compute_mean_std.py", [digits_run, "--output", tmp_path / "s.json"], "image files"),
+            ("export.py", ["--model_dir", digits_run / "best", "--output", tmp_path / "m.onnx", "--check_images",
+                           digits_run], "image files"),
+            ("train_seedlings.py", ["--data_dir", digits_run, "--output_dir", tmp_path / "run"],
+             "a folder of class folders")):
+        message = refused(name, *args)
+        assert (f"error: {digits_run} is the output folder of a training run (it holds metrics.jsonl and "
+                f"best/meta.json), not images: expected {expected}") in message, (name, message)
+        assert not list(tmp_path.iterdir()), name
+    (tmp_path / "images").mkdir()  # where only its plots were copied: images like any others
+    shutil.copy(digits_run / "curves.png", tmp_path / "images")
+    assert script("compute_mean_std.py", tmp_path / "images", "--output", tmp_path / "s.json").returncode == 0
 
 
 def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp_path):
