@@ -12,6 +12,7 @@ import stat
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -176,10 +177,23 @@ def end_process(code):
     os._exit(code or 0)
 
 
+def check_hf_endpoint():
+    """An HF_ENDPOINT that urllib cannot split stops huggingface_hub's import (timm's and datasets' too) with a
+    traceback, wherever a script first imports it: said before anything starts."""
+    endpoint = os.environ.get("HF_ENDPOINT")
+    try:
+        urllib.parse.urlsplit(endpoint or "")
+    except ValueError as error:
+        raise UserError(f"HF_ENDPOINT={endpoint!r} is not a URL ({error}), and huggingface_hub (which timm and "
+                        "datasets import) cannot start with it: set it to one such as https://huggingface.co or a "
+                        "mirror's, or unset it") from None
+
+
 def call_main(main, args):
     """Call `main(args)`; a UserError becomes one `error: ...` line and exit code 2. A run stopped by SIGTERM exits
     with 143, so schedulers see that it did not finish; a collective that lost its peer is one line, exit code 1."""
     try:
+        check_hf_endpoint()
         return main(args)
     except UserError as error:
         exit_with_message(f"error: {raised_in_a_worker(error) or error}", 2)

@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from timm.data import Mixup
 from torchvision.transforms.v2.functional import center_crop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
@@ -215,6 +214,7 @@ def main(args):
     total_steps = count_steps(train_dataloader, epochs=args.epochs, max_steps=args.max_steps)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,
                                       warmup_fraction=args.warmup_fraction, min_lr_ratio=1e-6 / lr)
+    from timm.data import Mixup  # imported here, after common.errors.call_main has checked HF_ENDPOINT for timm
     mixup = Mixup(mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, prob=args.mixup_prob,
                   switch_prob=args.mixup_switch_prob, label_smoothing=args.label_smoothing,
                   num_classes=len(classes)) if mixing else None

@@ -27,7 +27,7 @@ from common.flags import ArgumentParser
 from common.folders import find_splits
 from common.images import read_image
 from common.tools import find_images
-from conftest import FASHION_MNIST, REPO, load_script, refused, require, script, write_idx
+from conftest import FASHION_MNIST, REPO, load_script, refused, require, run_command, script, write_idx
 
 SCRIPTS = REPO / "scripts"
 ODD_IMAGES = REPO / "tests" / "fixtures" / "odd_images"
@@ -72,6 +72,21 @@ def test_every_numeric_flag_of_every_script_is_checked_when_parsed(name, monkeyp
                 with pytest.raises(argparse.ArgumentTypeError):
                     action.type(text)
     assert numeric or name == "compute_mean_std.py"  # the one tool without a numeric flag
+
+
+def test_an_hf_endpoint_that_huggingface_hub_cannot_read_is_one_line_from_every_script(monkeypatch, tmp_path):
+    """huggingface_hub reads HF_ENDPOINT when imported (timm and datasets import it): one urllib cannot split was its
+    traceback, at the start of train_seedlings.py (timm imported first) and wherever another script first used
+    timm or datasets. Every script, in this process; and train_seedlings.py as a process, where the import was."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://[bad")
+    message = "error: HF_ENDPOINT='http://[bad' is not a URL (Invalid IPv6 URL), and huggingface_hub"
+    monkeypatch.chdir(tmp_path)
+    for name, args in TOOLS.items():
+        assert_refused(script(name, *args), message)
+    assert not list(tmp_path.iterdir())
+    assert_refused(run_command([sys.executable, SCRIPTS / "train_seedlings.py", "--output_dir", tmp_path / "run"],
+                               env={"HF_ENDPOINT": "http://[bad"}), message)
+    assert not list(tmp_path.iterdir())
 
 
 BAD_FLAGS = [
