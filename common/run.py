@@ -57,6 +57,9 @@ class NonFiniteLoss(UserError):
 
 
 _signals_received = []
+HANGUP = (" SIGHUP: the terminal the run was started from closed. To train on after it closes, start the run in a "
+          "session of its own: setsid nohup COMMAND > train.log 2>&1 & (nohup alone does not keep a launch: accelerate "
+          "launch and torchrun pass SIGHUP on to the processes), or in tmux or screen.")
 
 
 def catch_sigterm():
@@ -327,7 +330,8 @@ class TrainingRun:
         if stop:
             self.accelerator.print(f"stopped by {signal.Signals(_signals_received[0]).name} at epoch {self.epoch}, "
                                    f"step {self.step}: saved {path}. "
-                                   "Run the same command with --resume latest to continue.")
+                                   "Run the same command with --resume latest to continue."
+                                   + (HANGUP if _signals_received[0] == signal.SIGHUP else ""))
             raise Interrupted(path)
 
     def load_best(self, model):

@@ -246,10 +246,11 @@ def stop_inside_an_epoch(command, *, output_dir, log):
     return latest
 
 
-def wait_for(condition, process, timeout=180):
+def wait_for(condition, process=None, timeout=180):
+    """Until `condition()`; `process`: a run that must not end before."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert process.poll() is None, "the run ended before the moment the test waits for"
+        assert process is None or process.poll() is None, "the run ended before the moment the test waits for"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
 

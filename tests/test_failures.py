@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -319,6 +320,65 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def pids_running(marker):
+    """The live processes whose command line holds `marker` (a run folder's path)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if marker.encode() in cmdline.read_bytes() and process_state(int(cmdline.parent.name)) not in ("Z", None):
+                found.append(int(cmdline.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_launch_under_nohup_stops_with_the_terminal_and_says_how_to_keep_it_and_setsid_keeps_it(tmp_path, seedlings):
+    """`nohup accelerate launch ... &` from a shell, then the terminal closes: the shell passes SIGHUP to its jobs, and
+    torchrun (inside accelerate launch) passes it on to the processes even under nohup (its own handler). The run
+    saves and stops, and its log says why and how to keep it: a session of its own (setsid), which the same shell's
+    other job, started so, shows: it trains on after the terminal closed."""
+    runs = {way: tmp_path / way for way in ("nohup", "setsid")}
+    master, terminal = os.openpty()
+
+    def on_the_terminal():  # a shell on the terminal, as an SSH login starts one
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    shell = subprocess.Popen(["bash", "--norc", "-i"], stdin=terminal, stdout=terminal, stderr=terminal, cwd=REPO,
+                             preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(terminal)
+    for way, output_dir in runs.items():
+        command = launch_command(SEEDLINGS, "--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS,
+                                 "--epochs", 500)
+        prefix = "nohup" if way == "nohup" else "setsid nohup"
+        os.write(master, f"{prefix} {shlex.join(map(str, command))} > {output_dir}.log 2>&1 &\n".encode())
+    logs = {way: Path(f"{output_dir}.log") for way, output_dir in runs.items()}
+    try:
+        wait_for(lambda: all(log.exists() and "epoch 2/500" in log.read_text() for log in logs.values()), shell)
+        os.close(master)  # the terminal closed
+        shell.wait(timeout=60)
+        wait_for(lambda: not pids_running(str(runs["nohup"])))
+        epochs_at_close = logs["setsid"].read_text().count("train_loss")
+        launcher = next(pid for pid in pids_running(str(runs["setsid"]))
+                        if b"accelerate.commands.launch" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        kept = [launcher, worker_pid(launcher, 0), worker_pid(launcher, 1)]
+        wait_for(lambda: logs["setsid"].read_text().count("train_loss") > epochs_at_close + 1)
+        assert all(process_state(pid) not in ("Z", None) for pid in kept)  # the same launcher and processes
+    finally:
+        for pid in pids_running(str(tmp_path)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.close(master)
+    stopped = logs["nohup"].read_text()
+    assert re.search(r"stopped by SIGHUP at epoch \d+, step \d+: saved \S+\. Run the same command with --resume "
+                     r"latest to continue\. SIGHUP: the terminal the run was started from closed\. To train on after "
+                     r"it closes, start the run in a session of its own: setsid nohup COMMAND", stopped), stopped[-999:]
+    latest = (runs["nohup"] / "checkpoints" / "latest").read_text().strip()
+    assert (runs["nohup"] / "checkpoints" / latest / "trainer_state.json").exists()
+    assert not (runs["nohup"] / ".lock").exists()
+    assert "stopped by" not in logs["setsid"].read_text()
 
 
 @pytest.mark.slow
