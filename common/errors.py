@@ -30,6 +30,11 @@ class Interrupted(Exception):
     """The run saved a checkpoint and stopped because it was asked to (SIGTERM); the message is already printed."""
 
 
+HANGUP = (" SIGHUP: the terminal the run was started from closed. To train on after it closes, start the run in a "
+          "session of its own: setsid nohup COMMAND > train.log 2>&1 & (nohup alone does not keep a launch: accelerate "
+          "launch and torchrun pass SIGHUP on to the processes), or in tmux or screen.")
+
+
 class Terminated(BaseException):
     """SIGTERM before a training run takes it over (common.run.catch_sigterm: it then saves and stops at a step):
     the process ends as after Ctrl-C, through its cleanups (a half-written decode cache removed, the run folder's
@@ -204,9 +209,11 @@ def call_main(main, args):
     except Interrupted:
         sys.exit(143)
     except Terminated:
+        hangup = TERMINATED[-1:] == [signal.SIGHUP]
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print("stopped by SIGTERM (a preemption, a time limit, kill): nothing half-written was left; run the "
-                  "same command again", file=sys.stderr, flush=True)
+            print(f"stopped by {'SIGHUP' if hangup else 'SIGTERM (a preemption, a time limit, kill)'}: nothing "
+                  "half-written was left; run the same command again" + ("." + HANGUP if hangup else ""),
+                  file=sys.stderr, flush=True)
         sys.exit(143)
     except KeyboardInterrupt:
         # Under a launcher Ctrl-C stops the launcher itself, which passes it on to every process and ends with its

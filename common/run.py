@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import STARTED, BatchNormMerge
-from .errors import TERMINATED, Interrupted, Terminated, UserError, launcher_pid
+from .errors import HANGUP, TERMINATED, Interrupted, Terminated, UserError, launcher_pid
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
@@ -57,9 +57,6 @@ class NonFiniteLoss(UserError):
 
 
 _signals_received = []
-HANGUP = (" SIGHUP: the terminal the run was started from closed. To train on after it closes, start the run in a "
-          "session of its own: setsid nohup COMMAND > train.log 2>&1 & (nohup alone does not keep a launch: accelerate "
-          "launch and torchrun pass SIGHUP on to the processes), or in tmux or screen.")
 
 
 def catch_sigterm():
