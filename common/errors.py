@@ -93,6 +93,20 @@ def refuse_several_processes(tool):
                         f"same files: run it with python scripts/{tool} (not accelerate launch)")
 
 
+def on_another_version_of_common(script):
+    """An import from common/ that fails once `script` has found it (a module or a name it lacks, whether the script
+    imports it at its top or later): the script and common/ come from different versions, one updated without the
+    other. Said in one line instead of the traceback; any other uncaught error is printed as before."""
+    def explain(kind, error, traceback):
+        if issubclass(kind, ImportError) and (getattr(error, "name", None) or "").startswith("common."):
+            print(f"error: {Path(script).name} and the common/ it found ({Path(__file__).resolve().parent}) are from "
+                  f"different versions ({error}): copy the script and common/ from the same version",
+                  file=sys.stderr, flush=True)
+        else:
+            sys.__excepthook__(kind, error, traceback)
+    sys.excepthook = explain
+
+
 def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
     signal.signal(signal.SIGTERM, _terminated)

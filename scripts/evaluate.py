@@ -29,10 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 try:  # a copy of this script needs the folder of what the scripts share (docs/recipes.md)
-    import common.errors  # noqa: E402, F401
+    import common.errors  # noqa: E402
 except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
+common.errors.on_another_version_of_common(__file__)
 from common import cifar, mnist  # noqa: E402
 from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E402
 from common.decode_cache import decode_split  # noqa: E402

@@ -19,10 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 try:  # a copy of this script needs the folder of what the scripts share (docs/recipes.md)
-    import common.errors  # noqa: E402, F401
+    import common.errors  # noqa: E402
 except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
+common.errors.on_another_version_of_common(__file__)
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, seed  # noqa: E402
 from common.images import list_image_folder, split_dataset  # noqa: E402

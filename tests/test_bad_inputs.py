@@ -200,6 +200,30 @@ def test_a_script_copied_without_common_says_to_copy_it_too(tmp_path):
             f"'{missing}'): copy common/ into your repository too\n"), output
 
 
+def test_a_script_and_a_common_of_another_version_say_so_in_one_line(tmp_path):
+    """A script updated without common/ (or the other way round): a module or a name it imports that common/ lacks
+    was a traceback; one line naming both and the fix (each a fresh interpreter, as a copy starts)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "common", repo / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "scripts").mkdir()
+    (repo / "common" / "tools.py").unlink()  # a module added since
+    outputs = repo / "common" / "outputs.py"  # a function renamed since
+    outputs.write_text(outputs.read_text().replace("def prepare_output_dir(", "def prepare_output_folder("))
+    runs = {}
+    for name in ("predict.py", "train_seedlings.py"):
+        shutil.copy(SCRIPTS / name, repo / "scripts" / name)
+        runs[name] = subprocess.Popen([sys.executable, repo / "scripts" / name, *TOOLS[name]], cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lacks = {"predict.py": "No module named 'common.tools'",
+             "train_seedlings.py": f"cannot import name 'prepare_output_dir' from 'common.outputs' ({outputs})"}
+    for name, run in runs.items():
+        output = run.communicate(timeout=120)[0]
+        assert run.returncode == 1 and output == (
+            f"error: {name} and the common/ it found ({repo / 'common'}) are from different versions ({lacks[name]}): "
+            "copy the script and common/ from the same version\n"), output
+    assert not list(tmp_path.glob("*.csv")) and sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
 def test_a_dataset_still_in_its_archive_or_a_file_of_it_as_data_dir_says_what_to_pass(tmp_path):
     seedlings = ODD_IMAGES.parent / "seedlings"
     archives = {"zip": shutil.make_archive(tmp_path / "plants", "zip", seedlings),
