@@ -173,9 +173,45 @@ def check_process_count(accelerator):
                "num_processes there or pass --num_processes); for one process drop --num_processes.")
         if os.environ["ACCELERATE_USE_CPU"].lower() == "true":
             raise UserError(f"`accelerate launch --cpu --num_processes N` starts a single process whatever N is. {how}")
+        config = launch_config()
+        if config:
+            kind = (read_yaml(config) or {}).get("distributed_type")
+            raise UserError(f"`accelerate launch` started a single process where more were asked: its config {config} "
+                            f"(distributed_type: {kind}) makes Accelerate start one on a single machine, whatever "
+                            "num_processes is (MULTI_CPU needs mpirun for more). For N processes on CPUs use "
+                            "--config_file accelerate_configs/cpu.yaml (distributed_type MULTI_GPU: torchrun starts "
+                            "them, joined with gloo), or set num_processes: 1 there for one.")
         raise UserError("`accelerate launch --num_processes N` without a --config_file started a single process: "
                         "Accelerate's defaults start one where fewer than 2 GPUs are visible, whatever N is. "
                         f"{how} On GPUs, use a config of accelerate_configs/ (e.g. 4gpu.yaml).")
+
+
+def launch_config():
+    """The config file of the `accelerate launch` that started this process (its parent): its --config_file, else
+    Accelerate's default one (`accelerate config`'s) where there is one; None where neither (or not Linux)."""
+    parent = f"/proc/{os.getppid()}"
+    try:
+        command = Path(parent, "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for i, part in enumerate(command):
+        if part == "--config_file" and i + 1 < len(command):
+            return Path(parent, "cwd").resolve() / command[i + 1]  # as the launcher read it, from its folder
+        if part.startswith("--config_file="):
+            return Path(parent, "cwd").resolve() / part.split("=", 1)[1]
+    from accelerate.commands.config import default_config_file
+
+    return Path(default_config_file) if Path(default_config_file).is_file() else None
+
+
+def read_yaml(path):
+    """A YAML file's content, or None where it cannot be read."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
 
 
 class BatchNormMerge:

@@ -118,14 +118,29 @@ def test_copied_scripts_run_from_another_directory(tmp_path):
 
 
 def test_cpu_flag_or_no_config_with_two_processes_is_refused(tmp_path):
-    """Accelerate's `--cpu --num_processes 2`, and `--num_processes 2` without a config where no 2 GPUs are, quietly
-    start one process: we stop it instead."""
-    for flags, said in ((["--cpu"], "error: `accelerate launch --cpu --num_processes N` starts a single process"),
-                        ([], "error: `accelerate launch --num_processes N` without a --config_file started a single "
-                             "process: Accelerate's defaults start one where fewer than 2 GPUs are visible")):
-        command = [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2",
+    """Accelerate's `--cpu --num_processes 2`, `--num_processes 2` without a config where no 2 GPUs are, and a config
+    of distributed_type MULTI_CPU (`accelerate config`'s "multi-CPU": named, or its default config) quietly start one
+    process: we stop it instead, naming the cause."""
+    multi_cpu = (REPO / "accelerate_configs" / "cpu.yaml").read_text().replace("distributed_type: MULTI_GPU",
+                                                                              "distributed_type: MULTI_CPU")
+    (tmp_path / "multi_cpu.yaml").write_text(multi_cpu)
+    default = tmp_path / "hf_default" / "accelerate" / "default_config.yaml"  # where `accelerate config` saves it
+    default.parent.mkdir(parents=True)
+    default.write_text(multi_cpu)
+    multi_cpu_said = ("error: `accelerate launch` started a single process where more were asked: its config {} "
+                      "(distributed_type: MULTI_CPU) makes Accelerate start one on a single machine")
+    for flags, hf_home, said in (
+            (["--cpu", "--num_processes", "2"], "hf", "error: `accelerate launch --cpu --num_processes N` starts a "
+                                                      "single process"),
+            (["--num_processes", "2"], "hf", "error: `accelerate launch --num_processes N` without a --config_file "
+                                             "started a single process: Accelerate's defaults start one where fewer "
+                                             "than 2 GPUs are visible"),
+            (["--config_file", "multi_cpu.yaml"], "hf", multi_cpu_said.format(tmp_path / "multi_cpu.yaml")),
+            ([], "hf_default", multi_cpu_said.format(default))):
+        command = [sys.executable, "-m", "accelerate.commands.launch", *flags,
                    str(REPO / "scripts" / "train_mnist.py"), "--dataset", "digits", "--output_dir", tmp_path / "run"]
-        result = run_command(command, env={"CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf")})  # no config
+        result = run_command(command, cwd=tmp_path,
+                             env={"CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / hf_home)})
         assert result.returncode != 0 and said in result.output, result.output
         assert "accelerate_configs/cpu.yaml" in result.output
         assert "UserError" not in result.output  # our message, not our traceback (the launcher prints its own)
