@@ -333,7 +333,7 @@ def pids_running(marker):
 
 
 @pytest.mark.slow
-def test_a_launch_under_nohup_stops_with_the_terminal_and_says_how_to_keep_it_and_setsid_keeps_it(tmp_path, seedlings):
+def test_a_launch_under_nohup_stops_with_the_terminal_and_says_how_to_keep_it_and_setsid_keeps_it(tmp_path):
     """`nohup accelerate launch ... &` from a shell, then the terminal closes: the shell passes SIGHUP to its jobs, and
     torchrun (inside accelerate launch) passes it on to the processes even under nohup (its own handler). The run
     saves and stops, and its log says why and how to keep it: a session of its own (setsid), which the same shell's
@@ -349,8 +349,8 @@ def test_a_launch_under_nohup_stops_with_the_terminal_and_says_how_to_keep_it_an
                              preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(terminal)
     for way, output_dir in runs.items():
-        command = launch_command(SEEDLINGS, "--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS,
-                                 "--epochs", 500)
+        command = launch_command(REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--output_dir",
+                                 output_dir, "--epochs", 500)
         prefix = "nohup" if way == "nohup" else "setsid nohup"
         os.write(master, f"{prefix} {shlex.join(map(str, command))} > {output_dir}.log 2>&1 &\n".encode())
     logs = {way: Path(f"{output_dir}.log") for way, output_dir in runs.items()}
