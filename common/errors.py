@@ -35,6 +35,10 @@ HANGUP = (" SIGHUP: the terminal the run was started from closed. To train on af
           "launch and torchrun pass SIGHUP on to the processes), or in tmux or screen.")
 
 
+PIPE_GONE = (" SIGPIPE: the program reading the run's output (| head, | tee) ended, so nothing more of it can be "
+             "shown; to keep a log, redirect the output to a file (> train.log 2>&1) and read that.")
+
+
 class Terminated(BaseException):
     """SIGTERM before a training run takes it over (common.run.catch_sigterm: it then saves and stops at a step):
     the process ends as after Ctrl-C, through its cleanups (a half-written decode cache removed, the run folder's
@@ -111,6 +115,7 @@ def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
     signal.signal(signal.SIGTERM, _terminated)
     on_hangup()
+    sys.stdout, sys.stderr = PipeReaderGone.wrap(sys.stdout), PipeReaderGone.wrap(sys.stderr)
     end_with_the_launcher()
     try:
         call_main(main, args)
@@ -141,6 +146,43 @@ def _hung_up(signum, frame):
     elif handler is not signal.SIG_IGN:  # SIGTERM at its default: the process ends of SIGHUP, as it did
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGHUP)
+
+
+class PipeReaderGone:
+    """sys.stdout or sys.stderr, whose reader going away (EPIPE: `| head` has its lines, a `| tee` ended with its
+    terminal) is handled as a hangup: the descriptor points at /dev/null from then on, and the run stops as on
+    SIGTERM (a checkpoint at the next step) instead of ending at that print with BrokenPipeError's traceback."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @classmethod
+    def wrap(cls, stream):
+        return stream if stream is None or isinstance(stream, cls) else cls(stream)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, buffer...: the stream's own
+        return getattr(self._stream, name)
+
+    def _reader_gone(self):
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, self._stream.fileno())
+        os.close(nowhere)
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler):
+            handler(signal.SIGPIPE, None)
 
 
 def launcher_pid():
@@ -223,10 +265,11 @@ def call_main(main, args):
     except Interrupted:
         sys.exit(143)
     except Terminated:
-        hangup = TERMINATED[-1:] == [signal.SIGHUP]
+        cause = signal.Signals(TERMINATED[-1] if TERMINATED else signal.SIGTERM)
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"stopped by {'SIGHUP' if hangup else 'SIGTERM (a preemption, a time limit, kill)'}: nothing "
-                  "half-written was left; run the same command again" + ("." + HANGUP if hangup else ""),
+            name = "SIGTERM (a preemption, a time limit, kill)" if cause == signal.SIGTERM else cause.name
+            print(f"stopped by {name}: nothing half-written was left; run the same command again"
+                  + {signal.SIGHUP: "." + HANGUP, signal.SIGPIPE: "." + PIPE_GONE}.get(cause, ""),
                   file=sys.stderr, flush=True)
         sys.exit(143)
     except KeyboardInterrupt:

@@ -151,7 +151,8 @@ def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_na
     for pointer in (early / "checkpoints" / "latest", early / "checkpoints"):
         assert (f"error: --model_dir {pointer}: {early / 'checkpoints' / 'latest'} names epoch_009_end, which is not "
                 "there (removed since?): pass the run's best/ folder or one of its checkpoints (in "
-                f"{early / 'checkpoints'}: ") in refused("predict.py", "--model_dir", pointer, digits_run / "curves.png")
+                f"{early / 'checkpoints'}: ") in refused("predict.py", "--model_dir", pointer,
+                                                         digits_run / "curves.png")
     assert not (tmp_path / "out").exists()
     (tmp_path / "notes.txt").write_text("mine")  # --output_dir a file: refused, kept
     message = refused("evaluate.py", "--model_dir", digits_run / "best", "--output_dir", tmp_path / "notes.txt")

@@ -382,6 +382,34 @@ def test_a_launch_under_nohup_stops_with_the_terminal_and_says_how_to_keep_it_an
 
 
 @pytest.mark.slow
+def test_a_launch_whose_output_reader_ends_saves_and_stops_as_on_sigterm(tmp_path):
+    """`accelerate launch ... | head` (or a `| tee` that ended with its terminal): every print after the reader is
+    gone fails (EPIPE); the run ended there with BrokenPipeError's traceback, an epoch of training lost. Now both
+    processes stop at one step with a checkpoint, saying so on stderr, and the same command resumes."""
+    output_dir = tmp_path / "run"
+    command = launch_command(REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--output_dir", output_dir,
+                             "--epochs", 500)
+    with open(tmp_path / "stderr", "w") as stderr:
+        run = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=stderr, cwd=REPO,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            for line in run.stdout:  # as `head` does: read up to a line, then go
+                if b"epoch 2/500" in line:
+                    break
+            run.stdout.close()
+            code = run.wait(timeout=120)
+        finally:
+            kill_everything(run)
+    said = (tmp_path / "stderr").read_text()
+    assert code != 0 and "BrokenPipeError" not in said, said[-3000:]
+    stopped = re.search(r"stopped by SIGPIPE at epoch (\d+), step \d+: saved (\S+)\. Run the same command with "
+                        r"--resume latest to continue\. SIGPIPE: the program reading the run's output", said)
+    assert stopped and int(stopped[1]) >= 2, said[-3000:]
+    assert (output_dir / "checkpoints" / "latest").read_text().strip() == Path(stopped[2]).name
+    assert not (output_dir / ".lock").exists() and len(re.findall(r"exitcode\s+: 143", said)) == 2  # both: 143
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_before_training_ends_the_run_through_its_cleanups(tmp_path, cifar_jpegs, processes):
     """A preemption while the images are checked and decoded (before the run catches SIGTERM to save at a step):
