@@ -198,7 +198,6 @@ def slurm_job(tmp_path, **environment):
                 '"$@" > "$SRUN_LOGS/node$node.log" 2>&1 & done\nstatus=0\nfor job in $(jobs -p); do '
                 'wait $job || status=1; done\nexit $status\n',
         "scontrol": '#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n',  # `scontrol show hostnames`: first node first
-        "accelerate": f'#!/bin/bash\nexec {sys.executable} -m accelerate.commands.accelerate_cli "$@"\n',
         "torchrun": f'#!/bin/bash\necho "torchrun $*"\nexec {sys.executable} -m torch.distributed.run "$@"\n',
     }
     for name, text in fakes.items():
@@ -207,7 +206,8 @@ def slurm_job(tmp_path, **environment):
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path), "SLURM_SUBMIT_DIR": str(REPO),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
            "SCRIPT": "scripts/train_mnist.py", "CONFIG": "accelerate_configs/cpu.yaml", "GPUS_PER_NODE": "1",
-           "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(tmp_path / "run"), **environment}
+           "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
+           **environment}
     job = ["bash", REPO / "scripts" / "slurm" / "train_multinode.sbatch", "--dataset", "digits", "--epochs", 4,
            "--batch_size", 16]
     return job, env
@@ -261,6 +261,8 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     ({"DIST_TIMEOUT": "10m"}, "error: DIST_TIMEOUT=10m: a whole number of seconds, at least 1 (the script's "
      "--dist_timeout), e.g. 600"),  # the script's refusal on each node, after each of its restarts
     ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS=-1: a whole number of restarts, 0 or more, e.g. 2"),
+    ({"PYTHON": "python-of-another-environment"}, "error: PYTHON={python}: cannot import accelerate: activate the "
+     "environment the scripts run in before sbatch, or set PYTHON=/path/to/venv/bin/python"),  # one failure a node
     ({"MIN_NODES": "1", "LAST_CALL_TIMEOUT": "2s"},
      "error: LAST_CALL_TIMEOUT=2s: a whole number of seconds (torchrun's last_call_timeout), e.g. 30"),
     ({"MIN_NODES": "1", "RDZV_CONF": "keep_alive_interval 2"},
@@ -269,9 +271,14 @@ def test_slurm_batch_file_runs_one_launch_per_node_and_a_requeued_job_resumes(tm
     *(({"MIN_NODES": value}, f"error: MIN_NODES={value}: a whole number of nodes from 1 to the job's 2, the fewest "
        "the job goes on with when others are lost") for value in ("abc", "0", "3"))])  # torchrun's traceback per node
 def test_a_setting_the_nodes_could_not_use_is_one_line_before_anything_starts(tmp_path, environment, message):
+    python = tmp_path / "python3"  # a Python without this project's packages (no site-packages)
+    python.write_text(f'#!/bin/bash\nexec {sys.executable} -S "$@"\n')
+    python.chmod(stat.S_IRWXU)
     job, env = slurm_job(tmp_path, **environment)
+    if env["PYTHON"] == "python-of-another-environment":
+        env["PYTHON"] = str(python)
     result = run_command(job, env=env)
-    assert result.returncode == 2 and result.output.strip() == message, result.output
+    assert result.returncode == 2 and result.output.strip() == message.format(python=python), result.output
     assert not (tmp_path / "node0.log").exists()  # no node was started
 
 
@@ -279,11 +286,10 @@ def test_an_output_dir_among_the_scripts_arguments_is_the_folder_the_job_says_an
     """The job's first line and its look for a checkpoint read the folder the script will write: it was the default
     outputs/<job>-<id> whatever --output_dir the user gave the script."""
     job, env = slurm_job(tmp_path)
-    stub = tmp_path / "stub"  # each node's launcher only says what it was asked to launch
-    stub.mkdir()
-    (stub / "accelerate").write_text('#!/bin/bash\necho "launch $*"\n')
-    (stub / "accelerate").chmod(stat.S_IRWXU)
-    env["PATH"] = f"{stub}:{env['PATH']}"
+    stub = tmp_path / "python"  # each node's launcher only says what it was asked to launch
+    stub.write_text('#!/bin/bash\necho "launch $*"\n')
+    stub.chmod(stat.S_IRWXU)
+    env["PYTHON"] = str(stub)
     run = tmp_path / "mine"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("epoch_001_end")
