@@ -44,7 +44,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
     if not cpu:
         check_gpus_usable()
     cpu = cpu or not torch.cuda.is_available()
-    mixed_precision, why_fp32 = choose_mixed_precision(mixed_precision, cpu=cpu)
+    mixed_precision, precision_note = choose_mixed_precision(mixed_precision, cpu=cpu)
     join_after_restart(cpu=cpu, dist_timeout=dist_timeout)
     accelerator = Accelerator(
         cpu=cpu, mixed_precision=mixed_precision, dynamo_backend="inductor" if compile else None,
@@ -59,8 +59,8 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
     )
     check_process_count(accelerator)
-    if why_fp32:
-        accelerator.print(why_fp32)
+    if precision_note:
+        accelerator.print(precision_note)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("mixed precision fp16 needs a GPU: on the CPU Accelerate trains in fp32 without saying so. "
                         "Pass --mixed_precision no (or bf16, which recent CPUs run), or use a config without fp16.")
@@ -105,11 +105,14 @@ def check_cpp_compiler():
 
 
 def choose_mixed_precision(given, *, cpu):
-    """(the run's mixed precision, why it is fp32 where the config asked for bf16, or None): `given`, else the
-    accelerate config's, else bf16 where the device computes it natively. A config's bf16 becomes fp32 on a CPU
-    without bf16 instructions, where it runs slower; only the flag forces it."""
+    """(the run's mixed precision, a line to say about it or None): `given`, else the accelerate config's, else bf16
+    where the device computes it natively. A config's bf16 becomes fp32 on a CPU without bf16 instructions, where it
+    runs slower; only the flag forces it, and is told what that costs."""
     if given:
-        return given, None
+        slow = given == "bf16" and cpu and not cpu_computes_bf16()
+        return given, ("note: --mixed_precision bf16 on a CPU whose PyTorch has no bf16 instructions to use (AVX-512 "
+                       "BF16 or AMX): autocast converts every operation there, many times slower than fp32 "
+                       "(--mixed_precision no)" if slow else None)
     config = os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() or None  # a config's BF16 is bf16 to Accelerate
     if config not in (None, "no", "fp16", "bf16", "fp8"):  # set by hand (a launcher checks its own)
         raise UserError(f"ACCELERATE_MIXED_PRECISION={os.environ['ACCELERATE_MIXED_PRECISION']} is not a mixed "

@@ -593,7 +593,8 @@ def test_a_script_imports_only_what_its_start_needs(name):
 
 @pytest.mark.parametrize("has_bf16, config, flag, expected", [
     (True, "bf16", None, "bf16"), (False, "bf16", None, "no"), (False, "bf16", "bf16", "bf16"), (True, "no", None, "no"),
-    (True, None, None, "bf16"), (False, None, None, "no"), (True, None, "no", "no"), (False, "BF16", None, "no")])
+    (True, None, None, "bf16"), (False, None, None, "no"), (True, None, "no", "no"), (False, "BF16", None, "no"),
+    (True, None, "bf16", "bf16")])
 def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_instructions(has_bf16, config, flag,
                                                                                                 expected, monkeypatch,
                                                                                                 capsys):
@@ -614,8 +615,11 @@ def test_mixed_precision_on_a_cpu_follows_the_flag_the_config_and_the_cpus_bf16_
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    fell_back = "the accelerate config asks for bf16, but this CPU has no bf16 instructions" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    fell_back = "the accelerate config asks for bf16, but this CPU has no bf16 instructions" in said
     assert fell_back == (config in ("bf16", "BF16") and expected == "no")
+    forced = "note: --mixed_precision bf16 on a CPU whose PyTorch has no bf16 instructions to use" in said
+    assert forced == (flag == "bf16" and not has_bf16)  # forced where it is emulated: said what it costs
 
 
 def test_a_mixed_precision_set_by_hand_that_accelerate_does_not_know_is_one_message(tmp_path, monkeypatch):
