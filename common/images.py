@@ -212,7 +212,13 @@ def read_image(path, *, channels=3):
 
 
 def convert_image(image, *, channels=3):
-    """A PIL image in RGB or grayscale; 16-bit images are scaled to 8 bits (Pillow's convert clips them to white)."""
+    """A PIL image in RGB or grayscale; 16-bit images are scaled to 8 bits (Pillow's convert clips them to white).
+    A floating-point image (a TIFF of mode F) is refused: its values have no fixed range (Pillow's convert clips
+    them to 0-255, and an image of values in 0-1 came out black)."""
+    if image.mode == "F":
+        raise ValueError("a 32-bit floating-point image (mode F), whose values have no fixed range: save it as 8 or "
+                         "16 bits, scaled as the whole dataset should be (e.g. numpy: (x / top * 65535).astype("
+                         "'uint16'), with one top for every image)")
     if image.mode.startswith("I"):
         wide = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))

@@ -373,6 +373,25 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped():
             read_image(ODD_IMAGES / broken)
 
 
+def test_a_floating_point_image_is_named_not_read_black(tmp_path, seedlings):
+    """A 32-bit float TIFF (mode F: microscopy, remote sensing) of values in 0-1 came out black (Pillow's convert
+    clips to 0-255); its range is unknown, so it is an unreadable image with the fix, in training as in the tools."""
+    data = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(seedlings, data / split)
+    float_image = data / "train" / "Maize" / "float.tif"
+    Image.fromarray(np.random.default_rng(0).random((48, 48), dtype=np.float32), mode="F").save(float_image)
+    assert Image.open(float_image).mode == "F"
+    fix = "a 32-bit floating-point image (mode F), whose values have no fixed range: save it as 8 or 16 bits"
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        read_image(float_image)
+    message = refused("train_seedlings.py", "--data_dir", data, "--output_dir", tmp_path / "run", "--model",
+                      "test_resnet", "--image_size", 32, "--epochs", 1)
+    assert f"error: cannot read image {float_image}: {fix}" in message, message
+    assert f"error: cannot read image {float_image}: {fix}" in refused("compute_mean_std.py", float_image, "--output",
+                                                                       tmp_path / "stats.json")
+
+
 def test_an_image_larger_than_pillow_opens_is_named_with_its_size_and_the_fix(monkeypatch):
     """Pillow refuses an image of more than twice Image.MAX_IMAGE_PIXELS (179 megapixels: a drone's or a slide
     scanner's) as a possible decompression bomb; here the limit is lowered to a fixture's size."""
