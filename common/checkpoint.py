@@ -4,6 +4,7 @@ A checkpoint is `accelerator.save_state` plus trainer_state.json (where the run 
 description, the arguments). Resuming unpickles only through `torch.load(weights_only=True)` (Accelerate >= 1.1).
 """
 
+import difflib
 import hashlib
 import json
 import os
@@ -186,10 +187,19 @@ def find_checkpoint(output_dir, resume):
             raise UserError(f"--resume latest: {pointer} names {path.name}, which no longer exists. {choose}")
     else:
         path = Path(resume)
+        if not path.exists():  # a checkpoint's name, or a path in the run's folder: found there
+            path = next((folder for folder in (checkpoints / resume, output_dir / resume)
+                         if (folder / "trainer_state.json").is_file()), path)
+        if path.is_file() and (path.parent / "trainer_state.json").is_file():  # a file of a checkpoint: its folder
+            path = path.parent
     state_path = path / "trainer_state.json"
     if not state_path.is_file():
         run = next((folder for folder in (path, path.parent) if (folder / "checkpoints" / "latest").is_file()), None)
-        raise UserError(f"--resume {resume}: {path} is not a checkpoint (no trainer_state.json in it). "
+        meant = difflib.get_close_matches(str(resume), ["latest", "auto"], n=1)
+        if not path.exists() and meant:
+            raise UserError(f"--resume {resume}: no such checkpoint folder; did you mean --resume {meant[0]}?")
+        raise UserError(f"--resume {resume}: {path} "
+                        + ("is not a checkpoint (no trainer_state.json in it). " if path.exists() else "not found. ")
                         + (f"To continue the run in {run} from its last checkpoint, pass --resume latest"
                            + ("" if run.resolve() == output_dir.resolve() else f" --output_dir {run}") + "."
                            if run else "Pass `latest`, `auto` or a folder from OUTPUT_DIR/checkpoints/."))

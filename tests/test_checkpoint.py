@@ -460,8 +460,16 @@ def test_resume_refusals_name_the_problem(tmp_path, reference):
     ]
     corrupt = finished / "checkpoints" / "epoch_002_end" / "model.safetensors"
     corrupt.write_bytes(corrupt.read_bytes()[:1000])
-    cases.append((["--output_dir", tmp_path / "new", "--resume", corrupt.parent],
-                  f"checkpoint {corrupt.parent} is damaged: {corrupt} holds 1000 bytes"))
+    # a file of a checkpoint stands for its folder; a checkpoint's name, or a path in the run, is found in the run
+    for output_dir, given in ((tmp_path / "new", corrupt.parent), (tmp_path / "new", corrupt),
+                              (finished, "epoch_002_end"), (finished, "checkpoints/epoch_002_end")):
+        cases.append((["--output_dir", output_dir, "--resume", given],
+                      f"checkpoint {corrupt.parent} is damaged: {corrupt} holds 1000 bytes"))
+    cases += [(["--output_dir", finished, "--resume", "lastest"],
+               "--resume lastest: no such checkpoint folder; did you mean --resume latest?"),
+              (["--output_dir", finished, "--resume", tmp_path / "nowhere"],
+               f"--resume {tmp_path / 'nowhere'}: {tmp_path / 'nowhere'} not found. Pass `latest`, `auto` or a folder "
+               "from OUTPUT_DIR/checkpoints/.")]
     for args, message in cases:
         assert message in refused(MNIST.name, *args)
     assert metrics(finished) == metrics(reference(1))  # nothing of the run was touched
