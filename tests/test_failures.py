@@ -385,7 +385,8 @@ def test_a_launch_under_nohup_stops_with_the_terminal_and_says_how_to_keep_it_an
 def test_a_launch_whose_output_reader_ends_saves_and_stops_as_on_sigterm(tmp_path):
     """`accelerate launch ... | head` (or a `| tee` that ended with its terminal): every print after the reader is
     gone fails (EPIPE); the run ended there with BrokenPipeError's traceback, an epoch of training lost. Now both
-    processes stop at one step with a checkpoint, saying so on stderr, and the same command resumes."""
+    processes stop at one step with a checkpoint that `latest` names (what --resume latest continues), saying so on
+    stderr."""
     output_dir = tmp_path / "run"
     command = launch_command(REPO / "scripts" / "train_mnist.py", "--dataset", "digits", "--output_dir", output_dir,
                              "--epochs", 500)
