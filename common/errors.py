@@ -30,13 +30,14 @@ class Interrupted(Exception):
     """The run saved a checkpoint and stopped because it was asked to (SIGTERM); the message is already printed."""
 
 
-HANGUP = (" SIGHUP: the terminal the run was started from closed. To train on after it closes, start the run in a "
-          "session of its own: setsid nohup COMMAND > train.log 2>&1 & (nohup alone does not keep a launch: accelerate "
-          "launch and torchrun pass SIGHUP on to the processes), or in tmux or screen.")
-
-
-PIPE_GONE = (" SIGPIPE: the program reading the run's output (| head, | tee) ended, so nothing more of it can be "
-             "shown; to keep a log, redirect the output to a file (> train.log 2>&1) and read that.")
+# what a run stopped by these signals says besides where it stopped (common.run's stop at a step, or call_main's)
+STOP_HINTS = {
+    signal.SIGHUP: " SIGHUP: the terminal the run was started from closed. To train on after it closes, start the "
+                   "run in a session of its own: setsid nohup COMMAND > train.log 2>&1 & (nohup alone does not keep a "
+                   "launch: accelerate launch and torchrun pass SIGHUP on to the processes), or in tmux or screen.",
+    signal.SIGPIPE: " SIGPIPE: the program reading the run's output (| head, | tee) ended, so nothing more of it can "
+                    "be shown; to keep a log, redirect the output to a file (> train.log 2>&1) and read that.",
+}
 
 
 class Terminated(BaseException):
@@ -269,7 +270,7 @@ def call_main(main, args):
         if os.environ.get("LOCAL_RANK", "0") == "0":
             name = "SIGTERM (a preemption, a time limit, kill)" if cause == signal.SIGTERM else cause.name
             print(f"stopped by {name}: nothing half-written was left; run the same command again"
-                  + {signal.SIGHUP: "." + HANGUP, signal.SIGPIPE: "." + PIPE_GONE}.get(cause, ""),
+                  + ("." + STOP_HINTS[cause] if cause in STOP_HINTS else ""),
                   file=sys.stderr, flush=True)
         sys.exit(143)
     except KeyboardInterrupt:

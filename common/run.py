@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
 from .distributed import STARTED, BatchNormMerge
-from .errors import HANGUP, PIPE_GONE, TERMINATED, Interrupted, Terminated, UserError, launcher_pid
+from .errors import STOP_HINTS, TERMINATED, Interrupted, Terminated, UserError, launcher_pid
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
@@ -329,7 +329,7 @@ class TrainingRun:
             cause = _signals_received[0]
             self.accelerator.print(f"stopped by {signal.Signals(cause).name} at epoch {self.epoch}, step {self.step}: "
                                    f"saved {path}. Run the same command with --resume latest to continue."
-                                   + {signal.SIGHUP: HANGUP, signal.SIGPIPE: PIPE_GONE}.get(cause, ""),
+                                   + STOP_HINTS.get(cause, ""),
                                    file=sys.stderr if cause == signal.SIGPIPE else sys.stdout)  # stdout: the pipe
             raise Interrupted(path)
 
