@@ -19,15 +19,24 @@ from .outputs import remove
 
 def find_images(inputs):
     """Image files named in `inputs`, and those under the folders named there (recursive, sorted; hidden ones left
-    out: `is_hidden`)."""
+    out: `is_hidden`). A training run's output folder is refused where it is named and left out, with a line, where
+    it is found inside a folder (`predict.py .` beside outputs/): its plots are not the user's images."""
     paths = []
     for item in map(Path, inputs):
         if not item.exists() and not item.is_symlink():
             raise UserError(f"{item} does not exist")
         if entry_kind(item) == "dir":
             refuse_run_folder(item, expected="image files or folders of them")
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
-                            and not any(map(is_hidden, p.relative_to(item).parts)) and entry_kind(p) == "file")
+            found = [p for p in item.rglob("*") if not any(map(is_hidden, p.relative_to(item).parts))]
+            runs = {p.parent for p in found if p.name == "metrics.jsonl"} | {
+                p.parent.parent for p in found if p.name == "meta.json" and p.parent.name == "best"}
+            images = sorted(p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and entry_kind(p) == "file")
+            in_runs = {p: runs.intersection(p.parents) for p in images if runs.intersection(p.parents)}
+            if in_runs:
+                holders = sorted(map(str, set().union(*in_runs.values())))
+                print(f"left out {len(in_runs)} image(s) in {', '.join(holders)}: the output folder of a training "
+                      "run (its plots), not images to read", file=sys.stderr)
+            paths += [p for p in images if p not in in_runs]
         else:
             paths.append(item)
     if not paths:

@@ -85,7 +85,8 @@ def test_corrupt_or_foreign_weights_get_a_clear_message(digits_run, tmp_path):
 
 def test_a_run_folder_named_where_images_are_expected_is_refused_not_read_as_its_plots(digits_run, tmp_path):
     """A run's folder holds PNGs (its plots): each tool that reads images says what the folder is instead of
-    predicting, measuring or training on curves.png and confusion_matrix.png; nothing is written."""
+    predicting, measuring or training on curves.png and confusion_matrix.png; nothing is written. Found inside a
+    folder that is named (`predict.py .` in a project with outputs/), it is left out with a line."""
     assert (digits_run / "curves.png").is_file() and (digits_run / "confusion_matrix.png").is_file()
     for name, args, expected in (
             ("predict.py", ["--model_dir", digits_run / "best", "--output", tmp_path / "p.csv", digits_run],
@@ -102,6 +103,18 @@ def test_a_run_folder_named_where_images_are_expected_is_refused_not_read_as_its
     (tmp_path / "images").mkdir()  # where only its plots were copied: images like any others
     shutil.copy(digits_run / "curves.png", tmp_path / "images")
     assert script("compute_mean_std.py", tmp_path / "images", "--output", tmp_path / "s.json").returncode == 0
+    project = tmp_path / "project"
+    shutil.copytree(digits_run, project / "outputs" / "digits", ignore=shutil.ignore_patterns("checkpoints"))
+    (project / "photos").mkdir()
+    shutil.copy(tmp_path / "images" / "curves.png", project / "photos" / "mine.png")
+    for name, args in (("predict.py", ["--model_dir", digits_run / "best", "--output", tmp_path / "p.csv"]),
+                       ("compute_mean_std.py", ["--output", tmp_path / "s.json"])):
+        result = script(name, *args, project)
+        plots = len(list((project / "outputs").rglob("*.png")))
+        assert result.returncode == 0 and plots >= 2, result.output
+        assert (f"left out {plots} image(s) in {project / 'outputs' / 'digits'}: the output folder of a training run "
+                "(its plots), not images to read") in result.output, result.output
+    assert [row["file"] for row in csv.DictReader(open(tmp_path / "p.csv"))] == [str(project / "photos" / "mine.png")]
 
 
 def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp_path):
