@@ -65,9 +65,14 @@ def list_image_folder(root):
     return files, labels, classes, skipped
 
 
+def run_files(folder):
+    """The files that mark a training run's output folder, of those `folder` holds (none: not a run's)."""
+    return [name for name in ("metrics.jsonl", "best/meta.json") if (Path(folder) / name).is_file()]
+
+
 def refuse_run_folder(folder, *, expected):
     """A training run's output folder named where images are expected: its plots would be read as the images."""
-    found = [name for name in ("metrics.jsonl", "best/meta.json") if (Path(folder) / name).is_file()]
+    found = run_files(folder)
     if found:
         raise UserError(f"{folder} is the output folder of a training run (it holds {' and '.join(found)}), not "
                         f"images: expected {expected}; name the data the run trained on, or other images")

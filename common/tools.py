@@ -13,7 +13,7 @@ import torch
 
 from .distributed import cpu_computes_bf16
 from .errors import UserError
-from .images import IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, read_image, refuse_run_folder
+from .images import IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, read_image, refuse_run_folder, run_files
 from .outputs import remove
 
 
@@ -28,12 +28,11 @@ def find_images(inputs):
         if entry_kind(item) == "dir":
             refuse_run_folder(item, expected="image files or folders of them")
             found = [p for p in item.rglob("*") if not any(map(is_hidden, p.relative_to(item).parts))]
-            runs = {p.parent for p in found if p.name == "metrics.jsonl"} | {
-                p.parent.parent for p in found if p.name == "meta.json" and p.parent.name == "best"}
+            runs = {folder for folder in {p.parent for p in found} if run_files(folder)}
             images = sorted(p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and entry_kind(p) == "file")
-            in_runs = {p: runs.intersection(p.parents) for p in images if runs.intersection(p.parents)}
+            in_runs = {p for p in images if runs.intersection(p.parents)}
             if in_runs:
-                holders = sorted(map(str, set().union(*in_runs.values())))
+                holders = sorted(str(run) for run in runs if any(run in p.parents for p in in_runs))
                 print(f"left out {len(in_runs)} image(s) in {', '.join(holders)}: the output folder of a training "
                       "run (its plots), not images to read", file=sys.stderr)
             paths += [p for p in images if p not in in_runs]
