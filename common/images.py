@@ -217,7 +217,9 @@ def read_image(path, *, channels=3):
 
 
 def convert_image(image, *, channels=3):
-    """A PIL image in RGB or grayscale; 16-bit images are scaled to 8 bits (Pillow's convert clips them to white).
+    """A PIL image in RGB or grayscale; 16-bit images are scaled to 8 bits (Pillow's convert clips them to white);
+    a palette image with a transparent colour goes through RGBA, as Pillow's warning asks (the same pixels; the
+    warning, once a process, named no image).
     A floating-point image (a TIFF of mode F) is refused: its values have no fixed range (Pillow's convert clips
     them to 0-255, and an image of values in 0-1 came out black)."""
     if image.mode == "F":
@@ -227,6 +229,8 @@ def convert_image(image, *, channels=3):
     if image.mode.startswith("I"):
         wide = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))
+    if image.mode == "P" and "transparency" in image.info:  # the same pixels, without Pillow's warning per image
+        image = image.convert("RGBA")
     return image.convert("L" if channels == 1 else "RGB")
 
 

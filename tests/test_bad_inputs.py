@@ -373,6 +373,22 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped():
             read_image(ODD_IMAGES / broken)
 
 
+def test_a_palette_image_with_a_transparent_colour_is_read_without_pillows_warning(tmp_path):
+    """Pillow warned ("Palette images with Transparency expressed in bytes should be converted to RGBA images",
+    pointing at its own code, naming no image) once per process of a run reading such a PNG; the pixels stay."""
+    import warnings
+
+    rgb = Image.open(ODD_IMAGES / "rgba.png").convert("RGB")
+    # a tRNS chunk of several entries (an alpha per palette colour), as image editors write them
+    rgb.convert("P", palette=Image.ADAPTIVE, colors=16).save(tmp_path / "palette.png", transparency=b"\0\xff\x80")
+    assert isinstance(Image.open(tmp_path / "palette.png").info["transparency"], bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for channels, mode in ((3, "RGB"), (1, "L")):
+            expected = np.asarray(Image.open(tmp_path / "palette.png").convert("RGBA").convert(mode))
+            assert np.array_equal(np.asarray(read_image(tmp_path / "palette.png", channels=channels)), expected)
+
+
 def test_a_floating_point_image_is_named_not_read_black(tmp_path, seedlings):
     """A 32-bit float TIFF (mode F: microscopy, remote sensing) of values in 0-1 came out black (Pillow's convert
     clips to 0-255); its range is unknown, so it is an unreadable image with the fix, in training as in the tools."""
