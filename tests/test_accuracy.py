@@ -26,12 +26,19 @@ def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path, cifar_jpeg
 
 @pytest.mark.slow
 def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path):
-    """The guard on its cheapest recipe (the digits demo, one seed): --record writes what it measured; a record a
-    few points above what the recipe reaches (a change that lost accuracy) fails by name with exit code 2."""
+    """The guard on its cheapest recipe (the digits demo, one seed): --record writes what it measured, saying how it
+    compares with the record it replaces; a record a few points above what the recipe reaches (a change that lost
+    accuracy) fails by name with exit code 2."""
+    from common.distributed import cpu_computes_bf16
+
     record_file, work = tmp_path / "record.json", tmp_path / "work"
+    record_file.write_text(json.dumps({"digits": {"bf16" if cpu_computes_bf16() else "fp32": {"accuracies": [0.5]}},
+                                       "seedlings": {"fp32": {"accuracies": [0.6]}}}))
     guard = ["benchmark_accuracy.py", "digits", "--seeds", "42", "--work_dir", work, "--record_file", record_file]
     result = script(*guard, "--record")
     assert result.returncode == 0, result.output
+    assert "| recorded (against the record it replaces: pass (tolerance 2.00%)) |" in result.output, result.output
+    assert json.loads(record_file.read_text())["seedlings"] == {"fp32": {"accuracies": [0.6]}}  # another's kept
     (precision, recorded), = json.loads(record_file.read_text())["digits"].items()
     metrics = [json.loads(line) for line in (work / "runs" / "digits" / "seed42" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 20 and recorded["accuracies"] == [metrics[-1]["val_accuracy"]] and recorded["seeds"] == [42]
