@@ -30,7 +30,7 @@ def find_images(inputs):
             found = [p for p in item.rglob("*") if not any(map(is_hidden, p.relative_to(item).parts))]
             runs = {folder for folder in {p.parent for p in found} if run_files(folder)}
             images = sorted(p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and entry_kind(p) == "file")
-            in_runs = {p for p in images if runs.intersection(p.parents)}
+            in_runs = {p for p in images if runs.intersection(p.parents)} if runs else set()
             if in_runs:
                 holders = sorted(str(run) for run in runs if any(run in p.parents for p in in_runs))
                 print(f"left out {len(in_runs)} image(s) in {', '.join(holders)}: the output folder of a training "
