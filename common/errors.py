@@ -55,6 +55,10 @@ def _terminated(signum, frame):
     raise Terminated
 
 
+def _end_now(signum, frame):  # a process that is already ending with an error (exit_with_message)
+    end_process(128 + signum)
+
+
 @contextlib.contextmanager
 def sigterm_deferred():
     """Where `Terminated` raised would be swallowed (a fork's at-fork hooks, which Python runs in this process and
@@ -227,7 +231,7 @@ def end_process(code):
     if code is not None and not isinstance(code, int):  # sys.exit("message"), as the interpreter shows it
         print(code, file=sys.stderr)
         code = 1
-    if signal.getsignal(signal.SIGTERM) is _terminated:  # nothing left to stop: raised now, it would be a traceback
+    if signal.getsignal(signal.SIGTERM) in (_terminated, _end_now):  # nothing left to stop, nor to end twice
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading._shutdown()
     atexit._run_exitfuncs()
@@ -392,7 +396,9 @@ def exit_with_message(message, code, *, consequence=False):
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         if consequence or os.environ.get("LOCAL_RANK", "0") != "0":
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # catch_sigterm's handler would keep this one alive
+            # stopped by the launcher while it waits: it ends there, through its exit's cleanups (DataLoader
+            # workers, the /tmp/pymp-* folder their sockets are in), not as SIGTERM's default (which left the folder)
+            signal.signal(signal.SIGTERM, _end_now)
             if not consequence or a_neighbour_ended(NEIGHBOUR_END_S):
                 time.sleep(REPORT_GRACE_S)
         try:  # torch.distributed.elastic's ErrorHandler format; the table shows ["message"]["message"]

@@ -693,14 +693,20 @@ def test_odd_folders_are_named(tmp_path, seedlings):
 @pytest.mark.slow
 def test_a_split_too_small_for_every_process_to_get_a_batch_is_one_message(tmp_path, seedlings):
     """59 training images make one full batch of 32, and one optimizer step of 2 processes takes 2: nothing would
-    be trained (before: both ended in an UnboundLocalError after '0 optimizer steps')."""
+    be trained (before: both ended in an UnboundLocalError after '0 optimizer steps'). The process the launcher
+    stops while it waits to report goes through its exit's cleanups: its DataLoader workers' folder in the
+    temporary folder was left behind, one per failed launch."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     result = run_command(launch_command(SEEDLINGS, "--data_dir", seedlings, "--output_dir", tmp_path / "run", "--model",
-                                        "test_resnet", "--image_size", 32, "--batch_size", 32, "--num_workers", 1))
+                                        "test_resnet", "--image_size", 32, "--batch_size", 32, "--num_workers", 1,
+                                        "--no-cache_images"), env={"TMPDIR": str(temporary)})
     assert result.returncode != 0
     assert ("59 training images make 1 full batch(es) of --batch_size 32, fewer than the 2 of one optimizer step (2 "
             "process(es) x 1 accumulation step(s)): nothing would be trained. Lower --batch_size (to 29 at most), "
             "--grad_accum, or launch fewer processes.") in result.output
     assert "Traceback" not in result.output.split("Root Cause")[1], result.output
+    assert not list(temporary.glob("pymp-*"))
 
 
 def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monkeypatch):
