@@ -229,7 +229,7 @@ def convert_image(image, *, channels=3):
     if image.mode.startswith("I"):
         wide = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8))
-    if image.mode == "P" and "transparency" in image.info:  # the same pixels, without Pillow's warning per image
+    if image.mode == "P" and "transparency" in image.info:  # the same pixels, without Pillow's warning
         image = image.convert("RGBA")
     return image.convert("L" if channels == 1 else "RGB")
 
