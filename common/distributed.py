@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
                                ProjectConfiguration)
 
-from .errors import UserError
+from .errors import UserError, parent_command
 
 
 # harmless, and printed by every process: strides that differ along a size-1 dimension (the 1-channel MNIST conv),
@@ -192,16 +192,15 @@ def check_process_count(accelerator):
 def launch_config():
     """The config file of the `accelerate launch` that started this process (its parent): its --config_file, else
     Accelerate's default one (`accelerate config`'s) where there is one; None where neither (or not Linux)."""
-    parent = f"/proc/{os.getppid()}"
-    try:
-        command = Path(parent, "cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+    command = parent_command()
+    if command is None:
         return None
+    launched_from = Path(f"/proc/{os.getppid()}/cwd")  # a relative --config_file, as the launcher read it
     for i, part in enumerate(command):
         if part == "--config_file" and i + 1 < len(command):
-            return Path(parent, "cwd").resolve() / command[i + 1]  # as the launcher read it, from its folder
+            return launched_from.resolve() / command[i + 1]
         if part.startswith("--config_file="):
-            return Path(parent, "cwd").resolve() / part.split("=", 1)[1]
+            return launched_from.resolve() / part.split("=", 1)[1]
     from accelerate.commands.config import default_config_file
 
     return Path(default_config_file) if Path(default_config_file).is_file() else None

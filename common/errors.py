@@ -201,19 +201,24 @@ class PipeReaderGone:
             handler(signal.SIGPIPE, None)
 
 
+def parent_command():
+    """The command line of this process's parent, one item per argument; None where /proc does not tell (not
+    Linux)."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+
+
 def launcher_pid():
     """The process that launched this one (its parent) where that is a launcher: torchrun (LOCAL_RANK set) or
     Accelerate's one-process launch (which sets none: told by the parent's command line); else None."""
-    parent = os.getppid()
     if "LOCAL_RANK" in os.environ:
-        return parent
-    try:
-        command = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")[:4]
-    except OSError:  # not Linux
-        return None
-    accelerate = b"accelerate.commands.launch" in command or (
-        b"launch" in command and any(part.rsplit(b"/", 1)[-1] == b"accelerate" for part in command))
-    return parent if accelerate else None
+        return os.getppid()
+    command = (parent_command() or [])[:4]
+    accelerate = "accelerate.commands.launch" in command or (
+        "launch" in command and any(part.rsplit("/", 1)[-1] == "accelerate" for part in command))
+    return os.getppid() if accelerate else None
 
 
 def end_with_the_launcher():
