@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import ctypes
+import errno
 import gc
 import json
 import os
@@ -126,9 +127,30 @@ def collect_rarely():
     gc.set_threshold(young, middle, 1000)
 
 
+def raise_open_file_limit(most=65536):
+    """The soft limit of open files raised to the hard one (at most `most`), as a user would with `ulimit -n`: each
+    DataLoader worker holds several descriptors, and a shell's soft limit (256 on macOS; 64 tried here) ran out as
+    the third loader forked its workers, after the training. A few descriptors are then kept aside, for the
+    message and the exit's cleanups should the hard limit run out all the same (`too_many_open_files`)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = most if hard == resource.RLIM_INFINITY else min(hard, most)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):  # no such limit here, or the system's own cap is lower
+        pass
+    _spare_descriptors.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(8 - len(_spare_descriptors)))
+
+
+_spare_descriptors = []
+
+
 def run_main(main, args):
     """A script's entry point: `call_main(main, args)`, then the process ends with its exit code (`end_process`)."""
     collect_rarely()
+    raise_open_file_limit()
     signal.signal(signal.SIGTERM, _terminated)
     on_hangup()
     sys.stdout, sys.stderr = PipeReaderGone.wrap(sys.stdout), PipeReaderGone.wrap(sys.stderr)
@@ -302,7 +324,11 @@ def call_main(main, args):
             print("interrupted (Ctrl-C); with checkpoints, --resume latest continues from the last one",
                   file=sys.stderr, flush=True)
         sys.exit(130)
-    except (RuntimeError, MemoryError) as error:
+    except (OSError, RuntimeError, MemoryError) as error:
+        # out of file descriptors: this process, or a DataLoader worker (its OSError re-raised here as text)
+        if (getattr(error, "errno", None) == errno.EMFILE
+                or re.search(r"Too many open files|received 0 items of ancdata", str(error))):
+            exit_with_message(f"error: {too_many_open_files()}", 1)
         memory = out_of_memory(error)
         if memory:  # a batch too large for the GPU or the machine: the user's to fix, not a bug of ours
             exit_with_message(f"error: out of memory ({memory}). Lower --batch_size (it is per process; --grad_accum "
@@ -377,6 +403,20 @@ def out_of_memory(error):
     if found:
         return f"the machine's, allocating {int(found.group(2)) / 2 ** 20:,.0f} MiB more"
     return text[:300] if isinstance(error, torch.OutOfMemoryError) else None
+
+
+def too_many_open_files():
+    """The message for a process, or its DataLoader workers, out of file descriptors; the spare ones are given back
+    to write it and to exit."""
+    import resource
+
+    while _spare_descriptors:
+        os.close(_spare_descriptors.pop())
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return (f"too many open files: this process may hold {limit} at once (`ulimit -n`, already raised to the hard "
+            "limit), and each DataLoader worker holds several. Raise the hard limit before the launch (ulimit -Hn "
+            "65536 as root, nofile in /etc/security/limits.conf, docker run --ulimit nofile=65536), or pass fewer "
+            "--num_workers (0: none, slower). With checkpoints, --resume latest continues from the last one.")
 
 
 def out_of_shared_memory(error):

@@ -158,6 +158,30 @@ def test_a_batch_too_large_for_the_memory_is_one_message_naming_the_fix(tmp_path
 
 
 @pytest.mark.slow
+def test_an_open_file_limit_too_low_is_raised_to_the_hard_one_or_named_with_its_fix(tmp_path, seedlings):
+    """8 DataLoader workers hold more descriptors than a soft limit of 64 allows (`ulimit -Sn 64`; macOS shells
+    start at 256): the run raises it to the hard limit and trains. A hard limit that low: one line naming the fix, the
+    run folder let go, and the workers' socket folder (/tmp/pymp-*) removed, which needs descriptors too."""
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    command = [sys.executable, REPO / "scripts" / "train_seedlings.py", "--data_dir", data, *SMALL_SEEDLINGS[:8],
+               "--num_workers", 8, "--no-cache_images"]  # with Mixup: more descriptors taken when the limit is met
+    for limit in ("-Sn", "-n"):
+        run_dir, temp = tmp_path / f"run{limit}", tmp_path / f"tmp{limit}"
+        temp.mkdir()
+        result = run_command(["sh", "-c", f'ulimit {limit} 64 && exec "$@"', "sh", *command, "--output_dir", run_dir],
+                             env={"TMPDIR": str(temp)})
+        assert "Traceback" not in result.output, result.output
+        assert not list(temp.glob("pymp-*"))
+        if limit == "-Sn":
+            assert result.returncode == 0 and (run_dir / "best" / "meta.json").exists(), result.output
+            continue
+        message = "error: too many open files: this process may hold 64 at once (`ulimit -n`, already raised to the"
+        assert result.returncode == 1 and result.output.count(message) == 1, result.output
+        assert "pass fewer --num_workers (0: none, slower)" in result.output
+        assert not list(run_dir.rglob(".lock"))
+
+
+@pytest.mark.slow
 def test_a_shared_memory_too_small_for_the_loader_workers_is_one_message_naming_the_fix(tmp_path, seedlings):
     """A container's 64 MB /dev/shm (Docker's default), through which DataLoader workers hand over their batches, is
     here half a megabyte in a mount namespace of the run's own: one line naming the fix, not the workers' traceback."""
