@@ -2,6 +2,7 @@
 and loses nothing. Real scripts on real files; the slow ones train the digits for an epoch or two."""
 
 import argparse
+import errno
 import gzip
 import hashlib
 import importlib.util
@@ -387,6 +388,29 @@ def test_a_palette_image_with_a_transparent_colour_is_read_without_pillows_warni
         for channels, mode in ((3, "RGB"), (1, "L")):
             expected = np.asarray(Image.open(tmp_path / "palette.png").convert("RGBA").convert(mode))
             assert np.array_equal(np.asarray(read_image(tmp_path / "palette.png", channels=channels)), expected)
+
+
+def test_an_image_not_opened_for_want_of_file_descriptors_is_not_called_unreadable(tmp_path, seedlings, monkeypatch):
+    """Out of file descriptors (`ulimit -n`) as it opens one image: with --skip_bad_images that image was left out as
+    unreadable and the image check kept it so for the next runs (predict.py skipped it). Now the run stops, with the
+    message that names the limit, and keeps no check of that image's split."""
+    data = shutil.copytree(seedlings, tmp_path / "data", ignore=shutil.ignore_patterns(".checked*"))
+    victim = sorted((data / "Maize").iterdir())[0]
+    real_open = Image.open
+
+    def short_of_descriptors(path, *args, **kwargs):
+        if Path(str(path)) == victim:
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", short_of_descriptors)
+    result = script("train_seedlings.py", "--data_dir", data, "--skip_bad_images", "--model", "test_resnet",
+                    "--image_size", 32, "--epochs", 1, "--output_dir", tmp_path / "run")
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output
+    assert "error: too many open files: this process may hold" in result.output and "left out" not in result.output
+    for record in data.glob(".checked-*.json"):  # the split that holds it kept no check; the other's names none bad
+        assert json.loads(record.read_text())["bad"] == []
+    assert len(list(data.glob(".checked-*.json"))) < 2
 
 
 def test_a_floating_point_image_is_named_not_read_black(tmp_path, seedlings):
