@@ -7,7 +7,9 @@ import json
 import math
 import multiprocessing
 import multiprocessing.util  # its exit function must be registered before ours
+import os
 import signal
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -236,12 +238,27 @@ def build_file_dataloader(dataset, *, batch_size=1, shuffle=False, num_workers=N
         return build_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler)
     num_workers = choose_num_workers(num_workers)[0]
     if num_workers:  # the workers' sockets for passing tensors then go into this process's temporary folder, which
-        multiprocessing.util.get_temp_dir()  # its exit removes: a worker killed at the end left a /tmp/pymp-* each
+        socket_folder()  # its exit removes: a worker killed at the end left a /tmp/pymp-* each
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, batch_sampler=batch_sampler,
                                        num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
                                        prefetch_factor=4 if num_workers > 0 else None,
                                        generator=torch.Generator(), worker_init_fn=_ignore_sigterm)
+
+
+def socket_folder():
+    """multiprocessing's temporary folder of this process, made now: the DataLoader workers' sockets for passing
+    tensors go there. Under TMPDIR, unless a socket's path there would be longer than AF_UNIX allows (107 bytes: a
+    job's deep TMPDIR), then under /tmp: Python 3.11 made it under TMPDIR all the same, the socket's bind failed in a
+    worker's sending thread, and the run waited for that batch forever."""
+    deep = len(os.fsencode(os.path.join(tempfile.gettempdir(), "pymp-abcdefgh", "listener-abcdefgh"))) > 107
+    saved = tempfile.tempdir
+    try:
+        if deep and os.path.isdir("/tmp"):
+            tempfile.tempdir = "/tmp"
+        return multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
 
 
 def _ignore_sigterm(worker_id):

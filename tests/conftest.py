@@ -291,6 +291,16 @@ def write_idx(path, array):
     (gzip.open if str(path).endswith(".gz") else open)(path, "wb").write(data)
 
 
+@pytest.fixture
+def socket_tmpdir():
+    """A TMPDIR for a run whose DataLoader workers' folder (pymp-*) a test looks for: short, under /tmp. Their
+    sockets' paths may be at most 107 bytes, and tmp_path under xdist is within a few of that; a deeper TMPDIR makes
+    the run put them under /tmp (common.folders.socket_folder), where the test would not look."""
+    folder = Path(tempfile.mkdtemp(prefix="t"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """A finished 4-epoch digits run (one process) with its best/, for the tools that use a trained model.

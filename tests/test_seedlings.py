@@ -325,21 +325,20 @@ def test_odd_batch_with_mixup_and_offline_hub_weights_are_refused(tmp_path, seed
 
 
 @pytest.mark.slow
-def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings):
+def test_sigterm_with_dataloader_workers_saves_and_resumes(tmp_path, seedlings, socket_tmpdir):
     """torchrun sends SIGTERM to each process group, DataLoader workers included: the run must still save."""
     output_dir = tmp_path / "run"
     args = ["--data_dir", seedlings, "--output_dir", output_dir, "--model", "test_resnet", "--image_size", 32,
             "--epochs", 3, "--batch_size", 2, "--num_workers", 2, "--no-cache_images"]
-    log, tmp = tmp_path / "log", tmp_path / "tmp"
-    tmp.mkdir()
-    process = spawn(launch_command(SCRIPTS / "train_seedlings.py", *args), log=log, env={"TMPDIR": str(tmp)})
+    log = tmp_path / "log"
+    process = spawn(launch_command(SCRIPTS / "train_seedlings.py", *args), log=log, env={"TMPDIR": str(socket_tmpdir)})
     wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) != 0
     output = log.read_text()
     assert "stopped by SIGTERM at epoch" in output and "--resume latest" in output, output
     assert "DataLoader worker" not in output
-    assert not list(tmp.glob("pymp-*"))  # the workers, killed at the end, left no folder of theirs in /tmp
+    assert not list(socket_tmpdir.glob("pymp-*"))  # the workers, killed at the end, left no folder of theirs
 
     resumed = launch_warm(SCRIPTS / "train_seedlings.py", "--output_dir", output_dir, "--resume", "latest",
                           "--data_dir", seedlings)
