@@ -209,8 +209,10 @@ def read_image(path, *, channels=3):
         with Image.open(path if a_file else path.open()) as image:
             return convert_image(image, channels=channels)
     except OSError as error:
-        if error.errno == errno.EMFILE:  # not this image's fault, nor a reason to leave it out as unreadable: the
-            raise RuntimeError(f"Too many open files, opening {path}") from None  # message of common.errors.call_main
+        # out of file descriptors is not the image's fault: not an unreadable image to leave out, but a RuntimeError
+        # that common.errors.call_main names, with the fix
+        if error.errno == errno.EMFILE:
+            raise RuntimeError(f"Too many open files, opening {path}") from None
         raise
     except Image.DecompressionBombError as error:  # not an OSError: make it one more unreadable image
         size = re.search(r"\((\d+) pixels\)", str(error))
