@@ -329,6 +329,12 @@ def call_main(main, args):
         if (getattr(error, "errno", None) == errno.EMFILE
                 or re.search(r"Too many open files|received 0 items of ancdata", str(error))):
             exit_with_message(f"error: {too_many_open_files()}", 1)
+        waited = re.match(r"DataLoader timed out after (\d+) seconds", str(error))
+        if waited:  # common.folders.LOADER_TIMEOUT_S
+            exit_with_message(f"error: a DataLoader worker handed over no batch in {waited[1]} s: it is stuck, or the "
+                              "batch was lost on its way (an error it printed would be above). Run the same command "
+                              "again (with checkpoints, --resume latest continues from the last one); should it "
+                              "happen again, --num_workers 0 reads the images without workers.", 1)
         memory = out_of_memory(error)
         if memory:  # a batch too large for the GPU or the machine: the user's to fix, not a bug of ours
             exit_with_message(f"error: out of memory ({memory}). Lower --batch_size (it is per process; --grad_accum "

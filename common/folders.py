@@ -222,6 +222,12 @@ def choose_cache(given, *, images, size):
         f" decoded, {'within' if within else 'over'} the default's {CACHE_LIMIT_GB} GB")
 
 
+# A batch that a worker has not handed over after this long is lost (the worker stuck, or the thread that sends it
+# failed, which the run never hears of): an error naming it, not a wait forever. The slowest batch of a slow network
+# filesystem takes seconds.
+LOADER_TIMEOUT_S = 300
+
+
 def choose_num_workers(given=None):
     """(DataLoader workers per process, why): `given`, else this process's share of the machine's cores less one,
     1 to 8. More workers than cores only take turns (on 2 cores, at half the speed)."""
@@ -243,7 +249,8 @@ def build_file_dataloader(dataset, *, batch_size=1, shuffle=False, num_workers=N
                                        num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
                                        prefetch_factor=4 if num_workers > 0 else None,
-                                       generator=torch.Generator(), worker_init_fn=_ignore_sigterm)
+                                       generator=torch.Generator(), worker_init_fn=_ignore_sigterm,
+                                       timeout=LOADER_TIMEOUT_S if num_workers else 0)
 
 
 def socket_folder():

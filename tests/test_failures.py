@@ -183,6 +183,45 @@ def test_an_open_file_limit_too_low_is_raised_to_the_hard_one_or_named_with_its_
     assert not list(socket_tmpdir.glob("pymp-*")) and not list((tmp_path / "run2").rglob(".lock"))
 
 
+STUCK_WORKER = f"""
+import os, sys, time
+sys.path.insert(0, {str(REPO / "scripts")!r})
+import train_seedlings
+import common.folders as folders
+from common.errors import run_main
+
+main, read_image = os.getpid(), folders.read_image
+
+
+def stuck(path, **kwargs):  # in a DataLoader worker: hands over nothing, ever
+    if os.getpid() != main:
+        open(os.environ["STUCK_PID_FILE"], "w").write(str(os.getpid()))
+        time.sleep(3600)
+    return read_image(path, **kwargs)
+
+
+folders.read_image, folders.LOADER_TIMEOUT_S = stuck, 2
+sys.argv[0] = train_seedlings.__file__
+run_main(train_seedlings.main, train_seedlings.parse_args())
+"""
+
+
+@pytest.mark.slow
+def test_a_batch_a_worker_never_hands_over_ends_the_run_after_the_loaders_timeout(tmp_path, seedlings):
+    """A worker stuck, or a batch lost on its way (a worker's failed socket left a run waiting forever): after
+    LOADER_TIMEOUT_S (here 2 s) one line naming it and what to do, exit 1, and the stuck worker killed."""
+    program = tmp_path / "stuck_worker.py"
+    program.write_text(STUCK_WORKER)
+    data = shutil.copytree(seedlings, tmp_path / "data")
+    result = run_command([sys.executable, program, "--data_dir", data, *SMALL_SEEDLINGS, "--output_dir",
+                          tmp_path / "run"], env={"STUCK_PID_FILE": str(tmp_path / "stuck.pid")}, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output
+    assert ("error: a DataLoader worker handed over no batch in 2 s: it is stuck, or the batch was lost on its way"
+            in result.output and "--num_workers 0 reads the images without workers" in result.output), result.output
+    assert all_gone([int((tmp_path / "stuck.pid").read_text())])
+    assert not list((tmp_path / "run").rglob(".lock"))
+
+
 @pytest.mark.slow
 def test_a_shared_memory_too_small_for_the_loader_workers_is_one_message_naming_the_fix(tmp_path, seedlings):
     """A container's 64 MB /dev/shm (Docker's default), through which DataLoader workers hand over their batches, is
