@@ -45,6 +45,7 @@ from common.data import InMemoryDataset, build_dataloader, preprocess  # noqa: E
 from common.distributed import build_accelerator  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.flags import ArgumentParser, device, nonnegative_int, positive_int  # noqa: E402
+from common.folders import socket_folder  # noqa: E402
 from common.images import build_eval_transform, list_image_folder, read_image  # noqa: E402
 from common.models import build_model  # noqa: E402
 from common.outputs import write_atomically  # noqa: E402
@@ -268,6 +269,8 @@ def main(args):
 
     if args.train_images:  # whole passes with their data: the seed script's loop against ours
         files, labels = files[:args.train_images], labels[:args.train_images]  # a subset of the images above
+        if args.seed_workers:
+            socket_folder()  # where its workers' sockets can be bound, as our loaders' are
         seed_loader = torch.utils.data.DataLoader(SeedStyleDataset(files, labels), batch_size=args.batch_size,
                                                   shuffle=True, num_workers=args.seed_workers,
                                                   persistent_workers=args.seed_workers > 0)
