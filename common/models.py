@@ -228,7 +228,9 @@ def load_best_model(model_dir):
     if problem:
         raise UserError(f"{meta_path} is not a model description written by our training scripts ({problem}); "
                         "use the meta.json the run wrote beside model.safetensors")
-    model = build_model(meta["architecture"], **meta["model_kwargs"])
+    # in the memory format the run trained and scored in, so that its scores are the run's to the last digit
+    model = build_model(meta["architecture"], **meta["model_kwargs"],
+                        channels_last=isinstance(meta.get("args"), dict) and meta["args"].get("channels_last") is True)
     check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
     model.load_state_dict(load_file(weights_path))
     return model.eval(), meta

@@ -14,7 +14,6 @@ train and test splits). `--download` fetches the official batches when online.
 
 Launch:
     accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_cifar.py --data_dir data --download
-    accelerate launch --config_file accelerate_configs/1gpu.yaml scripts/train_cifar.py --data_dir data --channels_last
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_cifar.py --data_dir data
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_cifar.py --data_dir data --epochs 1
 

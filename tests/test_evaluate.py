@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from common.data import preprocess
 from common.mnist import build_digits
 from common.models import build_model, describe_model
-from conftest import REPO, assert_report_shows, launch_warm, refused, script
+from conftest import REPO, assert_report_shows, launch_warm, load_script, refused, script
 
 pytestmark = pytest.mark.slow
 SEEDLING_MEAN, SEEDLING_STD = (0.33, 0.29, 0.21), (0.14, 0.14, 0.16)
@@ -114,6 +114,29 @@ def test_best_scores_as_the_training_run_did_and_flip_tta_averages_the_mirror(di
                       "--output_dir", tmp_path / "folder")
     assert message.strip() == (f"error: --data_dir {tmp_path / 'photos'}: the digits are scikit-learn's and take no "
                                "--data_dir; to score the images there, add --dataset folder")
+
+
+def test_a_run_trains_channels_last_by_default_and_its_best_is_loaded_in_the_layout_it_trained_in(digits_run, tmp_path):
+    """The NHWC layout is the default (faster convolutions on CPUs and under bf16/fp16 on GPUs); the tools load a
+    best/ in its run's layout, so that they score as it did to the last digit: a run of before the default, or of
+    --no-channels_last, in NCHW."""
+    from common.models import load_best_model
+
+    parse_args = load_script("train_mnist.py").parse_args
+    assert parse_args([]).channels_last and not parse_args(["--no-channels_last"]).channels_last
+
+    def layouts(model_dir):
+        convs = [m.weight for m in load_best_model(model_dir)[0].modules()  # a layout shows with 2+ input channels
+                 if isinstance(m, torch.nn.Conv2d) and m.in_channels > 1]
+        return {w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs}
+
+    assert json.loads((digits_run / "best" / "meta.json").read_text())["args"]["channels_last"] is True
+    assert layouts(digits_run / "best") == {True}
+    for args in ({"channels_last": False}, {}):  # --no-channels_last, and a run of before the flag's default
+        best = shutil.copytree(digits_run / "best", tmp_path / f"best{len(args)}")
+        meta = json.loads((best / "meta.json").read_text())
+        (best / "meta.json").write_text(json.dumps(meta | {"args": args}))
+        assert layouts(best) == {False}
 
 
 def test_a_model_dir_given_as_a_file_of_it_is_its_folder_and_a_folder_of_runs_names_them(digits_run, tmp_path):
