@@ -421,8 +421,10 @@ def close(ours, theirs, rel):
 
 
 def same_value(ours, theirs, rel):
-    """A metrics.jsonl value: numbers (and lists of them) within `rel`, words (`val_tta`) exactly."""
-    return ours == theirs if isinstance(theirs, str) else ours == pytest.approx(theirs, rel=rel)
+    """A metrics.jsonl value: numbers (and lists of them) within `rel` of the value or of 1, whichever is larger (a
+    loss of 0.2 is a mean of per-image losses each rounded to about 1e-6 whatever its size: how a convolution's sums
+    are split depends on the batch's shape, which the process count changes), words (`val_tta`) exactly."""
+    return ours == theirs if isinstance(theirs, str) else ours == pytest.approx(theirs, rel=rel, abs=rel)
 
 
 def assert_same_outcome(run, reference, *, checkpoint, rel, per_process=True):
@@ -441,8 +443,9 @@ def assert_same_outcome(run, reference, *, checkpoint, rel, per_process=True):
     for record, expected in zip(ours, theirs):
         assert record.keys() == expected.keys()
         left_out = TIMES + (() if per_process else ("train_samples_per_process",))
-        assert all(same_value(record[k], expected[k], rel) for k in record if k not in left_out), (
-            record, expected)
+        differ = {k: (record[k], expected[k]) for k in record if k not in left_out
+                  and not same_value(record[k], expected[k], rel)}
+        assert not differ, (record["epoch"], differ)
     ours, theirs = ([line.split(",") for line in (r / "best" / "val_predictions.csv").read_text().splitlines()[1:]]
                     for r in (run, reference))
     assert [row[:3] for row in ours] == [row[:3] for row in theirs]  # index, label, prediction
