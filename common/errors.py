@@ -172,12 +172,10 @@ def on_hangup():
 
 
 def _hung_up(signum, frame):
-    nowhere = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # a terminal's, hung up: a character device still, though no longer a tty to isatty
-        with contextlib.suppress(OSError):
-            if stat.S_ISCHR(os.fstat(fd).st_mode):
-                os.dup2(nowhere, fd)
-    os.close(nowhere)
+    if _hangups:  # once: a launcher passes the terminal's SIGHUP on, and a write may have met the closed terminal first
+        return
+    _hangups.append(signum)
+    _off_the_terminal()
     handler = signal.getsignal(signal.SIGTERM)
     if callable(handler):
         handler(signum, frame)
@@ -186,10 +184,25 @@ def _hung_up(signum, frame):
         os.kill(os.getpid(), signal.SIGHUP)
 
 
+_hangups = []
+
+
+def _off_the_terminal():
+    """Points this process's descriptors 0-2 that are on a terminal at /dev/null."""
+    nowhere = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # a terminal's, hung up: a character device still, though no longer a tty to isatty
+        with contextlib.suppress(OSError):
+            if stat.S_ISCHR(os.fstat(fd).st_mode):
+                os.dup2(nowhere, fd)
+    os.close(nowhere)
+
+
 class PipeReaderGone:
-    """sys.stdout or sys.stderr, whose reader going away (EPIPE: `| head` has its lines, a `| tee` ended with its
-    terminal) is handled as a hangup: the descriptor points at /dev/null from then on, and the run stops as on
-    SIGTERM (a checkpoint at the next step) instead of ending at that print with BrokenPipeError's traceback."""
+    """sys.stdout or sys.stderr, whose reader going away ends no run at a print with a traceback. A pipe's reader
+    gone (EPIPE: `| head` has its lines, a `| tee` ended with its terminal): the descriptor points at /dev/null from
+    then on, and the run stops as on SIGTERM (a checkpoint at the next step). A terminal closed (EIO: the write came
+    before SIGHUP's handler ran, more likely the slower the CPU): the hangup, handled here (`_hung_up`); with SIGHUP
+    ignored (nohup), off the terminal and on."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -199,20 +212,30 @@ class PipeReaderGone:
         return stream if stream is None or isinstance(stream, cls) else cls(stream)
 
     def write(self, text):
-        try:
+        with self._reader_checked():
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
-            return len(text)
+        return len(text)
 
     def flush(self):
-        try:
+        with self._reader_checked():
             self._stream.flush()
-        except BrokenPipeError:
-            self._reader_gone()
 
     def __getattr__(self, name):  # fileno, isatty, encoding, buffer...: the stream's own
         return getattr(self._stream, name)
+
+    @contextlib.contextmanager
+    def _reader_checked(self):
+        try:
+            yield
+        except BrokenPipeError:
+            self._reader_gone()
+        except OSError as error:
+            if error.errno != errno.EIO:
+                raise
+            if signal.getsignal(signal.SIGHUP) is _hung_up:
+                _hung_up(signal.SIGHUP, None)
+            else:  # SIGHUP ignored: off the terminal, and on
+                _off_the_terminal()
 
     def _reader_gone(self):
         nowhere = os.open(os.devnull, os.O_WRONLY)

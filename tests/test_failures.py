@@ -334,6 +334,31 @@ def test_ctrl_c_is_said_once_and_ends_every_process_of_the_run(tmp_path, seedlin
     assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
 
 
+def start_on_a_terminal(command):
+    """`command` as a shell starts it: the leader of a session whose controlling terminal it is. Returns the process,
+    the terminal's master end (closing it closes the terminal) and what the terminal has shown (its `read()` reads
+    what is new: the process would wait on a full terminal)."""
+    master, terminal = os.openpty()
+
+    def on_the_terminal():
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    process = subprocess.Popen(list(map(str, command)), stdin=terminal, stdout=terminal, stderr=terminal, cwd=REPO,
+                               preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(terminal)
+    os.set_blocking(master, False)
+
+    class Shown(bytearray):
+        def read(self):
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(master, 1 << 16):
+                    self.extend(chunk)
+            return self
+
+    return process, master, Shown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, seedlings, processes):
@@ -347,27 +372,10 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
     args = ["--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS, "--epochs", 500]
     command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
                                                                                           *args]
-    master, terminal = os.openpty()
-
-    def on_the_terminal():  # the leader of a session whose controlling terminal it is, as a shell starts a command
-        os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    process = subprocess.Popen(list(map(str, command)), stdin=terminal, stdout=terminal, stderr=terminal, cwd=REPO,
-                               preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    os.close(terminal)
-    os.set_blocking(master, False)
-    shown, family = bytearray(), set()
-
-    def read_the_terminal():  # what it shows so far (the run would wait on a full terminal)
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(master, 1 << 16):
-                shown.extend(chunk)
-        return shown
-
+    process, master, shown = start_on_a_terminal(command)
+    family = set()
     try:
-        wait_for(lambda: family.update(descendants(process.pid)[1:]) or b"epoch 2/500" in read_the_terminal(),
-                 process)
+        wait_for(lambda: family.update(descendants(process.pid)[1:]) or b"epoch 2/500" in shown.read(), process)
     finally:
         os.close(master)  # the terminal closed
     try:
@@ -385,6 +393,34 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.parametrize("sighup", ["handled", "ignored"])
+def test_a_print_that_meets_the_closed_terminal_before_its_sighup_is_the_hangup(tmp_path, sighup):
+    """A closed terminal fails every later write to it (EIO) at once, while its SIGHUP's handler runs at the
+    process's next Python instruction: a print under way met the closed terminal first and ended the run with a
+    traceback (exit code 1; the test above on 1 process, on this CPU at 1/2.6 of its speed, and every time for a
+    process that prints without pause, as this one). That write is the hangup now: the run stops as on SIGTERM
+    (143); with SIGHUP ignored, it goes on off the terminal to its end (0)."""
+    program = tmp_path / "prints.py"
+    program.write_text(f"import signal, sys\nsys.path.insert(0, {str(REPO)!r})\n"
+                       + ("signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" if sighup == "ignored" else "")
+                       + "from common.errors import run_main\n"
+                       "def main(args):\n"
+                       "    for i in range(100_000):\n"
+                       "        print(f'line {i}', flush=True)\n"
+                       f"    open({str(tmp_path / 'done')!r}, 'w').close()\n"
+                       "run_main(main, None)\n")
+    process, master, shown = start_on_a_terminal([sys.executable, program])
+    try:
+        wait_for(lambda: b"line 1000\r\n" in shown.read(), process)
+    finally:
+        os.close(master)  # the terminal closed
+    try:
+        code = process.wait(timeout=60)
+    finally:
+        kill_everything(process)
+    assert code == {"handled": 143, "ignored": 0}[sighup] and (tmp_path / "done").exists() == (sighup == "ignored")
 
 
 def pids_running(marker):
