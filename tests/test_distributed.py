@@ -307,9 +307,11 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path)
     killed after the first checkpoint (a node failure under `sbatch --no-kill`); node 0's process fails on the lost
     peer, its launcher meets alone and starts it again, and it goes on from checkpoints/latest as 1 process x 2
     accumulation steps, with the global batch, the steps and the samples of the 2-process run, to the end. Node 0
-    waits 2 s, not torchrun's 30, for the lost node to come back (LAST_CALL_TIMEOUT), once it counts it gone after
-    4 s without its heartbeat, not torchrun's 15 (RDZV_CONF)."""
-    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="2",
+    waits 10 s, not torchrun's 30, for the lost node to come back (LAST_CALL_TIMEOUT), once it counts it gone after
+    4 s without its heartbeat, not torchrun's 15 (RDZV_CONF). The wait is the first meeting's too: at 2 s, node 1 of
+    a CPU at 1/2.6 of this one's speed came too late to it, node 0 trained alone, and the meeting that let node 1 in
+    hung in torchrun for its 60 s."""
+    job, env = slurm_job(tmp_path, MIN_NODES="1", LAST_CALL_TIMEOUT="10",
                          RDZV_CONF="keep_alive_interval=1,keep_alive_max_attempt=4")
     output_dir = tmp_path / "run"
     process = spawn(job, log=tmp_path / "job.log", env=env)
@@ -324,7 +326,7 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other(tmp_path)
         kill_everything(process)
     assert "2 nodes (elastic: at least 1) x 1 processes" in (tmp_path / "job.log").read_text()
     output = (tmp_path / "node0.log").read_text()
-    assert "--rdzv_conf is_host=1,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4 " in output
+    assert "--rdzv_conf is_host=1,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=4 " in output
     assert "this launch has 1 x 2: the same global batch and samples" in output, output
     metrics, report = read_run(output_dir)
     assert [record["epoch"] for record in metrics] == [1, 2, 3, 4]
