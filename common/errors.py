@@ -201,8 +201,8 @@ class PipeReaderGone:
     """sys.stdout or sys.stderr, whose reader going away ends no run at a print with a traceback. A pipe's reader
     gone (EPIPE: `| head` has its lines, a `| tee` ended with its terminal): the descriptor points at /dev/null from
     then on, and the run stops as on SIGTERM (a checkpoint at the next step). A terminal closed (EIO: the write came
-    before SIGHUP's handler ran, more likely the slower the CPU): the hangup, handled here (`_hung_up`); with SIGHUP
-    ignored (nohup), off the terminal and on."""
+    before SIGHUP's handler ran, in this thread or another, more likely the slower the CPU): off the terminal, and
+    SIGHUP's handler, which runs next in the main thread, stops the run (or, SIGHUP ignored, it goes on)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -232,10 +232,7 @@ class PipeReaderGone:
         except OSError as error:
             if error.errno != errno.EIO:
                 raise
-            if signal.getsignal(signal.SIGHUP) is _hung_up:
-                _hung_up(signal.SIGHUP, None)
-            else:  # SIGHUP ignored: off the terminal, and on
-                _off_the_terminal()
+            _off_the_terminal()  # what then happens is SIGHUP's, which the hangup sent (`_hung_up`, or ignored)
 
     def _reader_gone(self):
         nowhere = os.open(os.devnull, os.O_WRONLY)

@@ -397,30 +397,35 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
 
 @pytest.mark.parametrize("sighup", ["handled", "ignored"])
 def test_a_print_that_meets_the_closed_terminal_before_its_sighup_is_the_hangup(tmp_path, sighup):
-    """A closed terminal fails every later write to it (EIO) at once, while its SIGHUP's handler runs at the
-    process's next Python instruction: a print under way met the closed terminal first and ended the run with a
+    """A closed terminal fails every later write to it (EIO) at once, while its SIGHUP's handler runs at the main
+    thread's next Python instruction: a print under way met the closed terminal first and ended the run with a
     traceback (exit code 1; the test above on 1 process, on this CPU at 1/2.6 of its speed, and every time for a
-    process that prints without pause, as this one). That write is the hangup now: the run stops as on SIGTERM
-    (143); with SIGHUP ignored, it goes on off the terminal to its end (0)."""
+    process that prints without pause, as this one until the test has closed its terminal). Now that write moves the
+    process off the terminal and the SIGHUP stops the run as SIGTERM does (143); with SIGHUP ignored, it goes on to
+    its end (0)."""
+    closed, done = tmp_path / "closed", tmp_path / "done"
     program = tmp_path / "prints.py"
-    program.write_text(f"import signal, sys\nsys.path.insert(0, {str(REPO)!r})\n"
+    program.write_text(f"import os, signal, sys\nsys.path.insert(0, {str(REPO)!r})\n"
                        + ("signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" if sighup == "ignored" else "")
                        + "from common.errors import run_main\n"
                        "def main(args):\n"
-                       "    for i in range(100_000):\n"
+                       "    i = 0\n"
+                       f"    while not os.path.exists({str(closed)!r}):\n"
+                       "        i += 1\n"
                        "        print(f'line {i}', flush=True)\n"
-                       f"    open({str(tmp_path / 'done')!r}, 'w').close()\n"
+                       f"    open({str(done)!r}, 'w').close()\n"
                        "run_main(main, None)\n")
     process, master, shown = start_on_a_terminal([sys.executable, program])
     try:
         wait_for(lambda: b"line 1000\r\n" in shown.read(), process)
     finally:
         os.close(master)  # the terminal closed
+        closed.touch()
     try:
         code = process.wait(timeout=60)
     finally:
         kill_everything(process)
-    assert code == {"handled": 143, "ignored": 0}[sighup] and (tmp_path / "done").exists() == (sighup == "ignored")
+    assert code == {"handled": 143, "ignored": 0}[sighup] and done.exists() == (sighup == "ignored")
 
 
 def pids_running(marker):
