@@ -335,14 +335,16 @@ def test_ctrl_c_is_said_once_and_ends_every_process_of_the_run(tmp_path, seedlin
 
 
 def start_on_a_terminal(command):
-    """`command` as a shell starts it: the leader of a session whose controlling terminal it is. Returns the process,
-    the terminal's master end (closing it closes the terminal) and what the terminal has shown (its `read()` reads
-    what is new: the process would wait on a full terminal)."""
+    """`command` as a login shell starts it: the leader of a session whose controlling terminal it is, SIGHUP at its
+    default (not ignored as it is under `nohup make test`). Returns the process, the terminal's master end (closing it
+    closes the terminal) and what the terminal has shown (its `read()` reads what is new: the process would wait on a
+    full terminal)."""
     master, terminal = os.openpty()
 
     def on_the_terminal():
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     process = subprocess.Popen(list(map(str, command)), stdin=terminal, stdout=terminal, stderr=terminal, cwd=REPO,
                                preexec_fn=on_the_terminal, env={**os.environ, "PYTHONUNBUFFERED": "1"})
