@@ -172,7 +172,7 @@ def on_hangup():
 
 
 def _hung_up(signum, frame):
-    if _hangups:  # once: a launcher passes the terminal's SIGHUP on, and a write may have met the closed terminal first
+    if _hangups:  # once: a launcher passes the terminal's SIGHUP on to processes that had the terminal's own
         return
     _hangups.append(signum)
     _off_the_terminal()
