@@ -200,9 +200,9 @@ def _off_the_terminal():
 class PipeReaderGone:
     """sys.stdout or sys.stderr, whose reader going away ends no run at a print with a traceback. A pipe's reader
     gone (EPIPE: `| head` has its lines, a `| tee` ended with its terminal): the descriptor points at /dev/null from
-    then on, and the run stops as on SIGTERM (a checkpoint at the next step). A terminal closed (EIO: the write came
-    before SIGHUP's handler ran, in this thread or another, more likely the slower the CPU): off the terminal, and
-    SIGHUP's handler, which runs next in the main thread, stops the run (or, SIGHUP ignored, it goes on)."""
+    then on, and the run stops as on SIGTERM (a checkpoint at the next step). A terminal closed (EIO: a write under
+    way before SIGHUP's handler ran, in this thread or another, or any write with SIGHUP ignored): off the terminal,
+    and SIGHUP's handler, which runs next in the main thread, stops the run (or, SIGHUP ignored, it goes on)."""
 
     def __init__(self, stream):
         self._stream = stream

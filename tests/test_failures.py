@@ -401,10 +401,9 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
 def test_a_print_that_meets_the_closed_terminal_before_its_sighup_is_the_hangup(tmp_path, sighup):
     """A closed terminal fails every later write to it (EIO) at once, while its SIGHUP's handler runs at the main
     thread's next Python instruction: a print under way met the closed terminal first and ended the run with a
-    traceback (exit code 1; the test above on 1 process, on this CPU at 1/2.6 of its speed, and every time for a
-    process that prints without pause, as this one until the test has closed its terminal). Now that write moves the
-    process off the terminal and the SIGHUP stops the run as SIGTERM does (143); with SIGHUP ignored, it goes on to
-    its end (0)."""
+    traceback (exit code 1, every time for a process that prints without pause, as this one until the test has closed
+    its terminal), and with SIGHUP ignored (nohup) the first print after it did. Now that write moves the process off
+    the terminal and the SIGHUP stops the run as SIGTERM does (143); with SIGHUP ignored, it goes on to its end (0)."""
     closed, done = tmp_path / "closed", tmp_path / "done"
     program = tmp_path / "prints.py"
     program.write_text(f"import os, signal, sys\nsys.path.insert(0, {str(REPO)!r})\n"
