@@ -3,8 +3,8 @@
     python scripts/benchmark_folders.py --sizes 1000,10000,100000 --work_dir /tmp/folder-growth
 
 For each size it writes a folder of that many small JPEGs (10 classes, --image_px, generated here, kept in
---work_dir for the next run), then for each process count of --processes (1 and 2 by default; `accelerate
-launch`, accelerate_configs/cpu.yaml)
+--work_dir for the next run), then for each process count of --processes (1 and 2 by default; one process as
+`python`, as a laptop runs a script, more through `accelerate launch`, accelerate_configs/cpu.yaml) it
 builds the seedlings training set as train_seedlings.py does, without and with --cache_images, twice each:
 a cold start (no check record, no decoded cache) and a warm one (both read back). Each process reports its
 start-up time and the CPU time it spent on it, and, with the cache, once the set is built and its cache
@@ -120,9 +120,10 @@ def probe(args):
 
 
 def launch_probes(folder, processes, cache, args):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes), __file__,
-               "--probe", str(folder), "--image_size", str(args.image_size), *(["--probe_cache"] if cache else [])]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes)]
+    command = [*(launcher if processes > 1 else [sys.executable]), __file__, "--probe", str(folder), "--image_size",
+               str(args.image_size), *(["--probe_cache"] if cache else [])]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     found = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     if len(found) != processes:

@@ -203,16 +203,18 @@ def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
                                                          / statistics.median(bench["data_seed"]))
 
 
-def test_folder_benchmark_measures_start_up_and_memory_on_2_processes(tmp_path):
-    """Of a folder and (--hf) of the same images as a Hugging Face dataset; 2 processes, where the measurements are
-    per process (the default, 1 and 2, launches the same code once more with one)."""
-    assert load_script("benchmark_folders.py").parse_args([]).processes == [1, 2]
-    result = script("benchmark_folders.py", "--sizes", 120, "--batches", 2, "--processes", 2, "--work_dir", tmp_path,
+def test_folder_benchmark_measures_start_up_and_memory_of_each_process(tmp_path):
+    """Of a folder and (--hf) of the same images as a Hugging Face dataset, on one process (started as `python`,
+    cold and warm, files and cache: each table row); then one probe launched on 2 processes (`accelerate launch`),
+    whose every process reports, the decoded cache shared (the default, 1 and 2, runs both)."""
+    benchmark = load_script("benchmark_folders.py")
+    assert benchmark.parse_args([]).processes == [1, 2]
+    result = script("benchmark_folders.py", "--sizes", 120, "--batches", 2, "--processes", 1, "--work_dir", tmp_path,
                     "--hf")
     assert result.returncode == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [(row["source"], row.get("processes")) for row in rows] == [
-        ("folder", 2), ("folder", None), ("hf", 2), ("hf", None)]
+        ("folder", 1), ("folder", None), ("hf", 1), ("hf", None)]
     for row in rows[0], rows[2]:  # start-ups of both paths, CPU time, RSS and PSS for every process, from /proc
         for path in ("files", "cache"):
             assert row[f"{path}_cold_startup_s"] > 0 and row[f"{path}_warm_startup_s"] > 0
@@ -223,7 +225,13 @@ def test_folder_benchmark_measures_start_up_and_memory_on_2_processes(tmp_path):
                                                      "seed_pipeline"}
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
     assert (tmp_path / "hf_120" / "state.json").exists() and (tmp_path / "hf_120" / ".checked-train.json").exists()
-    assert "| 120 | folder | 2 |" in result.output and "| 120 | hf | 2 |" in result.output
+    assert "| 120 | folder | 1 |" in result.output and "| 120 | hf | 1 |" in result.output
+    # 2 processes: the launcher starts both, each reports (gathered to the main one), one decoded cache between them
+    args = benchmark.parse_args(["--work_dir", str(tmp_path)])
+    reports = benchmark.launch_probes(tmp_path / "images_120", 2, True, args)
+    assert sorted(report["rank"] for report in reports) == [0, 1]
+    assert {report["images"] for report in reports} == {84} and len({report["checksum"] for report in reports}) == 1
+    assert min(report["startup_s"] for report in reports) > 0 and min(report["pss_mb"] for report in reports) > 0
 
 
 def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(tmp_path, seedlings):
