@@ -1,20 +1,22 @@
 """What the tools (predict.py, export.py, compute_mean_std.py, the benchmarks) share: the image files they are given,
 read unlabelled, the output file they write, checked before any work, and the machine a benchmark ran on."""
 
+import errno
 import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from .distributed import cpu_computes_bf16
 from .errors import UserError
-from .images import IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, read_image, refuse_run_folder, run_files
-from .outputs import remove
+from .images import (IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, list_image_folder, read_image,
+                     refuse_run_folder, run_files, split_dataset)
+from .outputs import check_not_inside, remove, write_atomically
 
 
 def find_images(inputs):
@@ -106,6 +108,38 @@ def link_or_copy(source, target):
         shutil.copy2(source, target)
 
 
+def write_split(source, target, *, val_fraction=0.3, seed=42, link=False):
+    """SOURCE/<class>/<image> -> TARGET/train/<class>/<image> + TARGET/val/<class>/<image>, the stratified split
+    train_seedlings.py makes in memory with the same `val_fraction` and `seed` (scripts/split_dataset.py), copied or
+    (`link`) hard-linked; TARGET is written whole or not at all. -> (classes, {"train": Counter, "val": Counter} of
+    images per class index, the entries left out as not images)."""
+    source, target = Path(source), Path(target)
+    check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UserError(f"{target} exists and is not empty: choose a new folder, or remove it first")
+    if (source / "train").is_dir() and (source / "val").is_dir():
+        raise UserError(f"{source} is already split into train/ and val/: train on it as it is")
+    files, labels, classes, skipped = list_image_folder(source)
+    parts = dict(zip(("train", "val"), split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)))
+    place = os.link if link else shutil.copy2
+
+    def write(tree):  # a hidden folder beside the target, renamed at the end: a failure leaves no half target
+        for part, indices in parts.items():
+            for i in indices:
+                destination = tree / part / classes[labels[i]] / files[i].name
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    place(files[i], destination)
+                except OSError as error:
+                    if link and error.errno == errno.EXDEV:
+                        raise UserError(f"cannot write the split into {target} ({error.strerror}); --link needs the "
+                                        "source and the target on the same filesystem: drop --link to copy") from None
+                    raise
+
+    write_atomically(target, write)
+    return classes, {part: Counter(labels[i] for i in indices) for part, indices in parts.items()}, skipped
+
+
 def split_once(data_dir, work_dir, *, derived=()):
     """(WORK_DIR/split, whether it was made now): DATA_DIR's train/ and val/, or its class folders split 70/30 as
     train_seedlings.py splits them (scripts/split_dataset.py), as hard links where the filesystem allows. Made once
@@ -127,9 +161,9 @@ def split_once(data_dir, work_dir, *, derived=()):
         for part in ("train", "val"):
             shutil.copytree(data_dir / part, split / part, copy_function=link_or_copy)
     else:
-        done = subprocess.run([sys.executable, Path(__file__).parents[1] / "scripts" / "split_dataset.py", data_dir,
-                               split, "--link"], capture_output=True, text=True)
-        if done.returncode:
-            raise UserError(f"could not split {data_dir}: {done.stderr.strip() or done.stdout.strip()}")
+        try:
+            write_split(data_dir, split, link=True)
+        except UserError as error:
+            raise UserError(f"could not split {data_dir}: error: {error}") from None
     source.write_text(str(data_dir.resolve()))
     return split, True

@@ -10,11 +10,7 @@ lands in exactly one split; files or folders that are not images are left out an
 is refused.
 """
 
-import errno
-import os
-import shutil
 import sys
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
@@ -24,10 +20,9 @@ except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
 common.errors.on_another_version_of_common(__file__)
-from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
+from common.errors import refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, seed  # noqa: E402
-from common.images import list_image_folder, split_dataset  # noqa: E402
-from common.outputs import check_not_inside, write_atomically  # noqa: E402
+from common.tools import write_split  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,36 +38,14 @@ def parse_args(argv=None):
 
 def main(args):
     refuse_several_processes("split_dataset.py")
-    source, target = Path(args.source), Path(args.target)
-    check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise UserError(f"{target} exists and is not empty: choose a new folder, or remove it first")
-    if (source / "train").is_dir() and (source / "val").is_dir():
-        raise UserError(f"{source} is already split into train/ and val/: train on it as it is")
-    files, labels, classes, skipped = list_image_folder(source)
-    train, val = split_dataset(labels, val_fraction=args.val_fraction, seed=args.seed, classes=classes)
-    place = os.link if args.link else shutil.copy2
-
-    def write(tree):  # a hidden folder beside the target, renamed at the end: a failure leaves no half target
-        for split, indices in (("train", train), ("val", val)):
-            for i in indices:
-                destination = tree / split / classes[labels[i]] / files[i].name
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    place(files[i], destination)
-                except OSError as error:
-                    if args.link and error.errno == errno.EXDEV:
-                        raise UserError(f"cannot write the split into {target} ({error.strerror}); --link needs the "
-                                        "source and the target on the same filesystem: drop --link to copy") from None
-                    raise
-
-    write_atomically(target, write)
-    counts = {split: Counter(labels[i] for i in indices) for split, indices in (("train", train), ("val", val))}
+    classes, counts, skipped = write_split(args.source, args.target, val_fraction=args.val_fraction, seed=args.seed,
+                                           link=args.link)
     width = max(map(len, classes))
     print(f"{'class':<{width}}  train    val")
     for label, name in enumerate(classes):
         print(f"{name:<{width}}  {counts['train'][label]:5d}  {counts['val'][label]:5d}")
-    print(f"{'total':<{width}}  {len(train):5d}  {len(val):5d}   -> {target}/train, {target}/val"
+    print(f"{'total':<{width}}  {sum(counts['train'].values()):5d}  {sum(counts['val'].values()):5d}   -> "
+          f"{args.target}/train, {args.target}/val"
           + (f"; left out {len(skipped)} files or folders that are not images" if skipped else ""))
 
 
