@@ -17,8 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 try:  # a copy of this script needs the folder of what the scripts share (docs/recipes.md)
     import common.errors  # noqa: E402
@@ -26,6 +24,8 @@ except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
 common.errors.on_another_version_of_common(__file__)
+# torch only now: a copy without common/ is told so at once, not after seconds of imports
+import torch  # noqa: E402
 from common.data import preprocess  # noqa: E402
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.exported import INPUT, OUTPUT, OnnxModel, description_path  # noqa: E402

@@ -26,9 +26,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
-from accelerate.utils import set_seed
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ from any working directory
 try:  # a copy of this script needs the folder of what the scripts share (docs/recipes.md)
     import common.errors  # noqa: E402
@@ -36,6 +33,9 @@ except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
 common.errors.on_another_version_of_common(__file__)
+# torch only now: a copy without common/ is told so at once, not after seconds of imports
+import torch  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
 from common.checkpoint import resolve_args  # noqa: E402
 from common.cifar import CIFAR10_MEAN, CIFAR10_STD, build_cifar10  # noqa: E402
 from common.data import MicroBatches, build_dataloader, hold_out, preprocess  # noqa: E402
