@@ -108,11 +108,12 @@ def link_or_copy(source, target):
         shutil.copy2(source, target)
 
 
-def write_split(source, target, *, val_fraction=0.3, seed=42, link=False):
+def write_split(source, target, *, val_fraction=0.3, seed=42, place=shutil.copy2):
     """SOURCE/<class>/<image> -> TARGET/train/<class>/<image> + TARGET/val/<class>/<image>, the stratified split
-    train_seedlings.py makes in memory with the same `val_fraction` and `seed` (scripts/split_dataset.py), copied or
-    (`link`) hard-linked; TARGET is written whole or not at all. -> (classes, {"train": Counter, "val": Counter} of
-    images per class index, the entries left out as not images)."""
+    train_seedlings.py makes in memory with the same `val_fraction` and `seed` (scripts/split_dataset.py), each image
+    written by `place(image, destination)`: a copy, `os.link` (a hard link, refused across filesystems) or
+    `link_or_copy`; TARGET is written whole or not at all. -> (classes, {"train": Counter, "val": Counter} of images
+    per class index, the entries left out as not images)."""
     source, target = Path(source), Path(target)
     check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -121,7 +122,6 @@ def write_split(source, target, *, val_fraction=0.3, seed=42, link=False):
         raise UserError(f"{source} is already split into train/ and val/: train on it as it is")
     files, labels, classes, skipped = list_image_folder(source)
     parts = dict(zip(("train", "val"), split_dataset(labels, val_fraction=val_fraction, seed=seed, classes=classes)))
-    place = os.link if link else shutil.copy2
 
     def write(tree):  # a hidden folder beside the target, renamed at the end: a failure leaves no half target
         for part, indices in parts.items():
@@ -131,7 +131,7 @@ def write_split(source, target, *, val_fraction=0.3, seed=42, link=False):
                 try:
                     place(files[i], destination)
                 except OSError as error:
-                    if link and error.errno == errno.EXDEV:
+                    if place is os.link and error.errno == errno.EXDEV:
                         raise UserError(f"cannot write the split into {target} ({error.strerror}); --link needs the "
                                         "source and the target on the same filesystem: drop --link to copy") from None
                     raise
@@ -162,7 +162,7 @@ def split_once(data_dir, work_dir, *, derived=()):
             shutil.copytree(data_dir / part, split / part, copy_function=link_or_copy)
     else:
         try:
-            write_split(data_dir, split, link=True)
+            write_split(data_dir, split, place=link_or_copy)
         except UserError as error:
             raise UserError(f"could not split {data_dir}: error: {error}") from None
     source.write_text(str(data_dir.resolve()))

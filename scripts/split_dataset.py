@@ -10,6 +10,8 @@ lands in exactly one split; files or folders that are not images are left out an
 is refused.
 """
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,7 +41,7 @@ def parse_args(argv=None):
 def main(args):
     refuse_several_processes("split_dataset.py")
     classes, counts, skipped = write_split(args.source, args.target, val_fraction=args.val_fraction, seed=args.seed,
-                                           link=args.link)
+                                           place=os.link if args.link else shutil.copy2)
     width = max(map(len, classes))
     print(f"{'class':<{width}}  train    val")
     for label, name in enumerate(classes):

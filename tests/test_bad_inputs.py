@@ -753,8 +753,15 @@ def test_split_dataset_link_across_filesystems_leaves_no_partial_target(tmp_path
         assert not target.exists() and not list(shm.glob(f".{target.name}*"))
         assert script("split_dataset.py", ODD_IMAGES.parent / "seedlings", target).returncode == 0  # the retry copies
         assert len(list(target.rglob("*.png"))) == len(list((ODD_IMAGES.parent / "seedlings").rglob("*.png")))
+        # the benchmark tools' split (common.tools.split_once) links where it can and copies where it cannot
+        from common.tools import split_once
+
+        split, made = split_once(ODD_IMAGES.parent / "seedlings", shm / f"work-{os.getpid()}")
+        assert made and sorted(p.relative_to(split) for p in split.rglob("*.png")) == sorted(
+            p.relative_to(target) for p in target.rglob("*.png"))
     finally:
         shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(shm / f"work-{os.getpid()}", ignore_errors=True)
 
 
 def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
