@@ -206,7 +206,7 @@ def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
 def test_folder_benchmark_measures_start_up_and_memory_of_each_process(tmp_path):
     """Of a folder and (--hf) of the same images as a Hugging Face dataset, on one process (started as `python`,
     cold and warm, files and cache: each table row); then one probe launched on 2 processes (`accelerate launch`),
-    whose every process reports, the decoded cache shared (the default, 1 and 2, runs both)."""
+    whose every process reports, each reading the same decoded images (the default, 1 and 2, runs both)."""
     benchmark = load_script("benchmark_folders.py")
     assert benchmark.parse_args([]).processes == [1, 2]
     result = script("benchmark_folders.py", "--sizes", 120, "--batches", 2, "--processes", 1, "--work_dir", tmp_path,
@@ -226,7 +226,7 @@ def test_folder_benchmark_measures_start_up_and_memory_of_each_process(tmp_path)
     assert len(list((tmp_path / "images_120").rglob("*.jpg"))) == 120
     assert (tmp_path / "hf_120" / "state.json").exists() and (tmp_path / "hf_120" / ".checked-train.json").exists()
     assert "| 120 | folder | 1 |" in result.output and "| 120 | hf | 1 |" in result.output
-    # 2 processes: the launcher starts both, each reports (gathered to the main one), one decoded cache between them
+    # 2 processes: the launcher starts both, each reports (gathered to the main one), both read the same pixels
     args = benchmark.parse_args(["--work_dir", str(tmp_path)])
     reports = benchmark.launch_probes(tmp_path / "images_120", 2, True, args)
     assert sorted(report["rank"] for report in reports) == [0, 1]
