@@ -1,7 +1,6 @@
 """What the tools (predict.py, export.py, compute_mean_std.py, the benchmarks) share: the image files they are given,
 read unlabelled, the output file they write, checked before any work, and the machine a benchmark ran on."""
 
-import errno
 import os
 import platform
 import re
@@ -111,8 +110,8 @@ def link_or_copy(source, target):
 def write_split(source, target, *, val_fraction=0.3, seed=42, place=shutil.copy2):
     """SOURCE/<class>/<image> -> TARGET/train/<class>/<image> + TARGET/val/<class>/<image>, the stratified split
     train_seedlings.py makes in memory with the same `val_fraction` and `seed` (scripts/split_dataset.py), each image
-    written by `place(image, destination)`: a copy, `os.link` (a hard link, refused across filesystems) or
-    `link_or_copy`; TARGET is written whole or not at all. -> (classes, {"train": Counter, "val": Counter} of images
+    written by `place(image, destination)`: a copy, a hard link or `link_or_copy`; TARGET is written whole or not at
+    all (an error `place` raises leaves nothing of it). -> (classes, {"train": Counter, "val": Counter} of images
     per class index, the entries left out as not images)."""
     source, target = Path(source), Path(target)
     check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
@@ -128,13 +127,7 @@ def write_split(source, target, *, val_fraction=0.3, seed=42, place=shutil.copy2
             for i in indices:
                 destination = tree / part / classes[labels[i]] / files[i].name
                 destination.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    place(files[i], destination)
-                except OSError as error:
-                    if place is os.link and error.errno == errno.EXDEV:
-                        raise UserError(f"cannot write the split into {target} ({error.strerror}); --link needs the "
-                                        "source and the target on the same filesystem: drop --link to copy") from None
-                    raise
+                place(files[i], destination)
 
     write_atomically(target, write)
     return classes, {part: Counter(labels[i] for i in indices) for part, indices in parts.items()}, skipped

@@ -10,6 +10,7 @@ lands in exactly one split; files or folders that are not images are left out an
 is refused.
 """
 
+import errno
 import os
 import shutil
 import sys
@@ -22,7 +23,7 @@ except ModuleNotFoundError as missing:
     sys.exit(f"error: {Path(__file__).name} needs the common/ folder it came with, beside it or one folder up "
              f"({missing}): copy common/ into your repository too")
 common.errors.on_another_version_of_common(__file__)
-from common.errors import refuse_several_processes, run_main  # noqa: E402
+from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, seed  # noqa: E402
 from common.tools import write_split  # noqa: E402
 
@@ -40,8 +41,18 @@ def parse_args(argv=None):
 
 def main(args):
     refuse_several_processes("split_dataset.py")
+
+    def hard_link(source, destination):
+        try:
+            os.link(source, destination)
+        except OSError as error:
+            if error.errno == errno.EXDEV:
+                raise UserError(f"cannot write the split into {args.target} ({error.strerror}); --link needs the "
+                                "source and the target on the same filesystem: drop --link to copy") from None
+            raise
+
     classes, counts, skipped = write_split(args.source, args.target, val_fraction=args.val_fraction, seed=args.seed,
-                                           place=os.link if args.link else shutil.copy2)
+                                           place=hard_link if args.link else shutil.copy2)
     width = max(map(len, classes))
     print(f"{'class':<{width}}  train    val")
     for label, name in enumerate(classes):
