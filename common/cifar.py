@@ -32,6 +32,9 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
         download_dataset("CIFAR10", root)
         found = _find_cifar10(root)
     if found is None:
+        cifar100 = _find_cifar100(root)
+        if cifar100:
+            raise _not_cifar10(cifar100)
         archive = archive_note(root) if root.is_file() else ""  # a zip of the JPEG tree, say
         whole = root.parent  # --data_dir DIR/train, one level too deep
         if root.name in ("train", "test", "val") and _find_cifar10(whole) == ("folder", whole):
@@ -73,6 +76,25 @@ def _holds_class_folders(folder):
 def _held_out_folder(folder):
     """folder/test, else folder/val (what scripts/split_dataset.py writes), else None."""
     return next((folder / name for name in ("test", "val") if (folder / name).is_dir()), None)
+
+
+CIFAR100_FILES = ("train", "test", "meta")  # its python files, in cifar-100-python/ (and its .tar.gz)
+
+
+def _find_cifar100(root):
+    """Where `root` holds CIFAR-100's python files or its archive (a user's likely other download), else None."""
+    for folder in (root / "cifar-100-python", root):
+        if all((folder / name).is_file() for name in CIFAR100_FILES):
+            return folder
+    archive = root / "cifar-100-python.tar.gz"
+    return archive if archive.is_file() else None
+
+
+def _not_cifar10(where):
+    return UserError(f"{where} is CIFAR-100 (its python files train, test and meta), not CIFAR-10, whose batches this "
+                     "script reads: give CIFAR-100 as a folder tree of its images (train/<class>/*.png + "
+                     "test/<class>/*.png: a tree trains with any number of classes), or as a Hugging Face dataset "
+                     "(--data_dir hf:NAME_OR_PATH --label_column fine_label)")
 
 
 def _find_cifar10(root):
@@ -117,13 +139,16 @@ def _cifar10_from_batches(kind, path):
     else:
         try:
             with tarfile.open(path) as archive:
+                members = [m for m in archive.getmembers() if m.isfile()]
                 files = {Path(m.name).name: archive.extractfile(m).read()
-                         for m in archive.getmembers() if m.isfile() and Path(m.name).name in names}
+                         for m in members if Path(m.name).name in names}
         except (tarfile.TarError, OSError, EOFError) as error:
             raise UserError(f"cannot read {path} as a .tar.gz of CIFAR-10 batches ({error}): it is damaged or "
                             "not the CIFAR-10 archive. Delete it and run with --download, or point --data_dir at "
                             "another copy") from None
     train_names = [name for name in names[:5] if name in files]
+    if kind == "archive" and not files and {Path(m.name).name for m in members} >= set(CIFAR100_FILES):
+        raise _not_cifar10(path)
     if not train_names or "test_batch" not in files:
         raise UserError(f"{path} lacks CIFAR-10 batch files: need data_batch_1..5 and test_batch, "
                         f"found {sorted(files)}")

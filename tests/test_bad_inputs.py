@@ -8,10 +8,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -583,6 +585,32 @@ def test_cifar_class_folders_with_nothing_to_test_on_say_how_to_hold_some_out(tm
     assert script("split_dataset.py", only_train / "train", tmp_path / "cifar10-split", "--val_fraction",
                   0.1).returncode == 0  # the command it gives works
     assert build_cifar10(tmp_path / "cifar10-split")[1].classes == sorted(p.name for p in only_train.glob("train/*"))
+
+
+def test_cifar_100_is_named_with_how_to_train_it(tmp_path):
+    """CIFAR-100's python files (train, test, meta: no data_batch_N) and their archive, the other CIFAR a user
+    downloads: each place it can be given is named as CIFAR-100, with the two ways this script trains it."""
+    folder = tmp_path / "data" / "cifar-100-python"
+    folder.mkdir(parents=True)
+    for name, count in (("train", 20), ("test", 10)):
+        batch = {b"data": np.zeros((count, 3072), np.uint8), b"fine_labels": list(range(count)),
+                 b"coarse_labels": [0] * count}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "meta").write_bytes(pickle.dumps({b"fine_label_names": [b"apple"] * 100}))
+    archive = tmp_path / "downloads" / "cifar-100-python.tar.gz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="cifar-100-python")
+    how = ("(its python files train, test and meta), not CIFAR-10, whose batches this script reads: give CIFAR-100 as "
+           "a folder tree of its images (train/<class>/*.png + test/<class>/*.png: a tree trains with any number of "
+           "classes), or as a Hugging Face dataset (--data_dir hf:NAME_OR_PATH --label_column fine_label)")
+    for given, named in ((folder.parent, folder), (folder, folder), (archive.parent, archive), (archive, archive)):
+        with pytest.raises(UserError) as error:
+            build_cifar10(given)
+        assert str(error.value) == f"{named} is CIFAR-100 {how}"
+    assert refused("train_cifar.py", "--data_dir", folder.parent, "--output_dir", tmp_path / "run").strip() == (
+        f"error: {folder} is CIFAR-100 {how}")
+    assert not (tmp_path / "run").exists()
 
 
 def test_hf_prefix_on_a_plain_folder_says_to_drop_it(tmp_path, cifar_jpegs):
