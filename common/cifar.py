@@ -146,9 +146,9 @@ def _cifar10_from_batches(kind, path):
             raise UserError(f"cannot read {path} as a .tar.gz of CIFAR-10 batches ({error}): it is damaged or "
                             "not the CIFAR-10 archive. Delete it and run with --download, or point --data_dir at "
                             "another copy") from None
+        if not files and {Path(m.name).name for m in members} >= set(CIFAR100_FILES):
+            raise _not_cifar10(path)
     train_names = [name for name in names[:5] if name in files]
-    if kind == "archive" and not files and {Path(m.name).name for m in members} >= set(CIFAR100_FILES):
-        raise _not_cifar10(path)
     if not train_names or "test_batch" not in files:
         raise UserError(f"{path} lacks CIFAR-10 batch files: need data_batch_1..5 and test_batch, "
                         f"found {sorted(files)}")
