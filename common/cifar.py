@@ -82,8 +82,9 @@ CIFAR100_FILES = ("train", "test", "meta")  # its python files, in cifar-100-pyt
 
 
 def _find_cifar100(root):
-    """Where `root` holds CIFAR-100's python files or its archive (a user's likely other download), else None."""
-    for folder in (root / "cifar-100-python", root):
+    """Where `root` holds CIFAR-100's python files or its archive (a user's likely other download), or is one of
+    those files, else None."""
+    for folder in (root / "cifar-100-python", root, *([root.parent] if root.name in CIFAR100_FILES else [])):
         if all((folder / name).is_file() for name in CIFAR100_FILES):
             return folder
     archive = root / "cifar-100-python.tar.gz"

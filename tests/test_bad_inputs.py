@@ -604,7 +604,8 @@ def test_cifar_100_is_named_with_how_to_train_it(tmp_path):
     how = ("(its python files train, test and meta), not CIFAR-10, whose batches this script reads: give CIFAR-100 as "
            "a folder tree of its images (train/<class>/*.png + test/<class>/*.png: a tree trains with any number of "
            "classes), or as a Hugging Face dataset (--data_dir hf:NAME_OR_PATH --label_column fine_label)")
-    for given, named in ((folder.parent, folder), (folder, folder), (archive.parent, archive), (archive, archive)):
+    for given, named in ((folder.parent, folder), (folder, folder), (folder / "train", folder),
+                         (archive.parent, archive), (archive, archive)):
         with pytest.raises(UserError) as error:
             build_cifar10(given)
         assert str(error.value) == f"{named} is CIFAR-100 {how}"
