@@ -1,4 +1,5 @@
-"""The LR schedule: per optimizer step, so that it is the same whatever the accumulation and process count."""
+"""The optimizer's kernel, and the LR schedule: per optimizer step, so that it is the same whatever the accumulation
+and process count."""
 
 import math
 from functools import partial
@@ -22,6 +23,13 @@ SCHEDULES = {
     "cosine": _after_warmup(lambda progress, floor: floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))),
     "constant": lambda step, **_: 1.0,  # no warmup either
 }
+
+
+def fused_on_cpu(device):
+    """The optimizer's keyword arguments for `device`: PyTorch's fused kernel on a CPU, one pass over all the weights
+    where its default there loops over them one tensor at a time (a step of Adam on ResNet-18 2-3x as fast, of SGD
+    1.6-2.4x: BENCHMARKS.md, "The fused optimizer on a CPU"); PyTorch's own default (foreach) elsewhere."""
+    return {"fused": True} if device.type == "cpu" else {}
 
 
 def build_lr_scheduler(optimizer, *, schedule, total_steps, warmup_fraction=0.0, min_lr_ratio=0.0):

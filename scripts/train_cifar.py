@@ -45,7 +45,7 @@ from common.evaluation import evaluate, report_evaluation  # noqa: E402
 from common.flags import ArgumentParser, add_common_args, args_to_dict, number, probability  # noqa: E402
 from common.hf import add_hf_args, hf_options  # noqa: E402
 from common.models import build_ema, build_model, check_batch_norm, check_model_name, describe_model  # noqa: E402
-from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
+from common.optim import build_lr_scheduler, fused_on_cpu, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
 from common.run import TrainingRun, count_steps  # noqa: E402
@@ -118,7 +118,7 @@ def main(args):
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=0.2, base_batch=128, global_batch=global_batch, rule="linear")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=True,
-                                weight_decay=args.weight_decay)
+                                weight_decay=args.weight_decay, **fused_on_cpu(accelerator.device))
     model, optimizer, eval_dataloader, test_dataloader = accelerator.prepare(
         model, optimizer, eval_dataloader, test_dataloader)
     total_steps = count_steps(train_dataloader, epochs=args.epochs, max_steps=args.max_steps)

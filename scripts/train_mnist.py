@@ -45,7 +45,7 @@ from common.flags import ArgumentParser, add_common_args, args_to_dict, number  
 from common.hf import add_hf_args, hf_options  # noqa: E402
 from common.mnist import build_digits, build_mnist  # noqa: E402
 from common.models import build_ema, build_model, check_batch_norm, describe_model  # noqa: E402
-from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
+from common.optim import build_lr_scheduler, fused_on_cpu, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
 from common.run import TrainingRun, count_steps  # noqa: E402
@@ -105,7 +105,8 @@ def main(args):
     # the recipe's LR is 1e-2 at a global batch of 64; without --lr it follows the global batch's square root
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=1e-2, base_batch=64, global_batch=global_batch, rule="sqrt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay,
+                                  **fused_on_cpu(accelerator.device))
     model, optimizer, eval_dataloader, test_dataloader = accelerator.prepare(
         model, optimizer, eval_dataloader, test_dataloader)
     total_steps = count_steps(train_dataloader, epochs=args.epochs, max_steps=args.max_steps)

@@ -61,7 +61,7 @@ from common.hf import add_hf_args, find_hf_stream, hf_options  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
 from common.models import (build_ema, build_model, check_batch_norm, check_model_name, describe_model,  # noqa: E402
                            load_pretrained, read_pretrained)
-from common.optim import build_lr_scheduler, scale_lr  # noqa: E402
+from common.optim import build_lr_scheduler, fused_on_cpu, scale_lr  # noqa: E402
 from common.outputs import prepare_output_dir  # noqa: E402
 from common.reporting import describe_launch  # noqa: E402
 from common.run import TrainingRun, count_steps  # noqa: E402
@@ -210,7 +210,8 @@ def main(args):
     # the recipe's LR is 1e-4 at a global batch of 32; without --lr it follows the global batch's square root
     global_batch = args.batch_size * accelerator.num_processes * args.grad_accum
     lr, lr_rule = scale_lr(args.lr, base_lr=1e-4, base_batch=32, global_batch=global_batch, rule="sqrt")
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=args.weight_decay,
+                                 **fused_on_cpu(accelerator.device))
     model, optimizer, eval_dataloader = accelerator.prepare(model, optimizer, eval_dataloader)
     total_steps = count_steps(train_dataloader, epochs=args.epochs, max_steps=args.max_steps)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.schedule, total_steps=total_steps,

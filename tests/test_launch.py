@@ -46,6 +46,7 @@ def test_mnist_two_processes_share_batches_and_count_1001_test_images_once(tmp_p
     assert "lr 0.01414 = 0.01 x sqrt(128 / 64)" in result.output
     optimizer = torch.load(output_dir / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)
     assert optimizer["param_groups"][0]["initial_lr"] == pytest.approx(0.01 * 2 ** 0.5)
+    assert optimizer["param_groups"][0]["fused"] is True  # PyTorch's fused AdamW on a CPU: one pass over the weights
     metrics, report = read_run(output_dir)
     assert [r["epoch"] for r in metrics] == [1, 2]
     assert_two_processes_shared_the_data(metrics, train_size=2001, batch_size=64)
@@ -74,6 +75,8 @@ def test_cifar_image_folder_two_processes(tmp_path, cifar_jpegs):
     _, test = build_cifar10(cifar_jpegs)
     assert_each_test_sample_counted_once(metrics, report, test.labels, test.classes)
     assert "airplane" in (output_dir / "classification_report.txt").read_text()
+    optimizer = torch.load(output_dir / "checkpoints" / "epoch_001_end" / "optimizer.bin", weights_only=True)
+    assert optimizer["param_groups"][0]["fused"] is True and "momentum_buffer" in optimizer["state"][0]  # fused SGD
 
 
 def test_cifar_official_batches_path(tmp_path, cifar_jpegs):

@@ -18,7 +18,7 @@ EDITS = {  # what a user changes, in the copied script only: an auxiliary loss t
         "                logits = model(images)\n"
         "                loss = loss_fn(logits, labels) + 1e-3 * logits.float().pow(2).mean()  # logit penalty\n",
     "    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=True,\n"
-    "                                weight_decay=args.weight_decay)\n":
+    "                                weight_decay=args.weight_decay, **fused_on_cpu(accelerator.device))\n":
         "    optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 50, weight_decay=args.weight_decay)\n",
 }
 
@@ -93,6 +93,8 @@ def test_seedlings_with_class_weights_and_a_balanced_sampler_resume_mid_epoch_ex
         "--class_weights", "balanced", "--sampler", "balanced", "--no-cache_images", epoch=2)
     for record in metrics(reference):  # drawn with replacement: some images twice, others not at all
         assert record["train_samples_per_process"] == [28, 28] and record["train_unique_samples"] < 56
+    optimizer = torch.load(reference / "checkpoints" / "epoch_002_end" / "optimizer.bin", weights_only=True)
+    assert optimizer["param_groups"][0]["fused"] is True and "exp_avg" in optimizer["state"][0]  # fused Adam
 
 
 def test_seedlings_trivialaugment_random_erasing_and_patience_end_early_with_best_and_a_report(tmp_path, seedlings):
