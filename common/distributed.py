@@ -3,6 +3,7 @@
 import functools
 import os
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -60,6 +61,7 @@ def build_accelerator(*, mixed_precision=None, compile=False, grad_accum=1, repo
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
     )
     check_process_count(accelerator)
+    watch_for_restarts()
     if accelerator.num_processes > 1 and sys.version_info < (3, 12):
         pause_before_forks()
     if precision_note:
@@ -168,9 +170,41 @@ def join_after_restart(*, cpu, dist_timeout=None):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                        timeout=timeout)  # the launcher's own store, served by its agent
+    store.set(f"restarted_{restart}", os.environ["RANK"])  # before joining: a process still in the last attempt
+    # waits in a collective for the dead one and would never join (watch_for_restarts)
     torch.distributed.init_process_group("gloo" if cpu else "nccl", store=torch.distributed.PrefixStore(
         f"restart_{restart}", store), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout)
+
+
+def watch_for_restarts(*, every_s=1.0):
+    """On several machines with restarts left (--max_restarts): a thread that ends this process, for its launcher to
+    start it again, once a process of the run has been restarted on another machine (join_after_restart says so in
+    the launcher's store). Without it a process that began a collective after its peer died waits there until
+    --dist_timeout (gloo does not notice a peer whose connection closed before the collective began: seen in the
+    BatchNorm merge after a step), while the restarted peer waits for it to join."""
+    restart, restarts = (int(os.environ.get(name, 0)) for name in ("TORCHELASTIC_RESTART_COUNT",
+                                                                   "TORCHELASTIC_MAX_RESTARTS"))
+    machines = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if not (machines and restart < restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return None
+
+    def watch():
+        try:
+            store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                               is_master=False, timeout=timedelta(seconds=30))
+            while not store.check([f"restarted_{restart + 1}"]):
+                time.sleep(every_s)
+        except Exception:  # the store is gone: the launcher on the main machine has ended, and the run with it
+            return
+        print(f"process {os.environ['RANK']}: a process of this run was restarted on another machine; this one stops "
+              "so that its launcher starts it again and both continue from the last checkpoint", file=sys.stderr,
+              flush=True)
+        os._exit(1)  # at once, from inside any collective the main thread waits in
+
+    thread = threading.Thread(target=watch, name="watch_for_restarts", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_process_count(accelerator):

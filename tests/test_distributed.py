@@ -132,8 +132,9 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
         os.kill(worker_pid(launchers[1].pid, rank=1), signal.SIGKILL)
 
     # --dist_timeout: now and then (once in a CI run) the peer dies between a step's gradient all-reduce and its
-    # BatchNorm merge's, and gloo's all-reduce begun after that waits for its timeout instead of failing at once
-    # (py-spy's stacks; docs/launching.md): past 60 s it fails, and the launchers restart both as usual
+    # BatchNorm merge's, and gloo's all-reduce begun after that waited for its timeout (py-spy's stacks;
+    # docs/launching.md); watch_for_restarts now stops that process once its peer is restarted (the test after
+    # this one), and 60 s bounds the wait should it not
     both = [*args, "--output_dir", output_dir, "--resume", "auto", "--dist_timeout", 60]
     (code0, out0), (code1, out1) = run_machines(tmp_path, both, both, launcher_args=["--max_restarts", 1],
                                                 during=kill_after_the_first_checkpoint)
@@ -148,6 +149,58 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors")
                for run in (output_dir, tmp_path / "reference")]
     assert all(torch.allclose(weights[0][k].float(), weights[1][k].float(), atol=1e-6) for k in weights[1])
+
+
+BUSY_WHEN_ITS_PEER_RESTARTS = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from common.distributed import build_accelerator
+
+restarted = Path(sys.argv[2])
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "1" and os.environ["RANK"] == "1":
+    restarted.touch()  # before it joins: joining waits for process 0
+accelerator = build_accelerator(cpu=True)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    if accelerator.process_index == 1:
+        os._exit(9)  # dies between two collectives
+    while True:  # process 0: a long stretch without a collective (an evaluation, a decode), which never ends here
+        time.sleep(0.05)
+total = accelerator.reduce(torch.ones(1), reduction="sum")
+print(f"process {accelerator.process_index}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}, sum {total.item()}")
+accelerator.end_training()
+"""
+
+
+def test_a_process_busy_when_its_peer_on_another_machine_restarts_is_restarted_at_once(tmp_path):
+    """Machine 1's process dies and its launcher starts it again, to wait for machine 0's process to join; that one
+    notices nothing until its next collective (gloo's, begun after the death, even waited for --dist_timeout once in
+    CI: docs/launching.md). Here it never reaches one: it stops as soon as the restarted process says so in the
+    launcher's store (watch_for_restarts), its launcher starts it again, and both go on together."""
+    script = tmp_path / "busy_when_its_peer_restarts.py"
+    script.write_text(BUSY_WHEN_ITS_PEER_RESTARTS)
+    args = [REPO, tmp_path / "restarted"]
+    (code0, out0), (code1, out1) = run_machines(tmp_path, args, args, script=script, timeout=120,
+                                                launcher_args=["--max_restarts", 1])
+    assert code0 == 0 and code1 == 0, out0 + out1
+    assert ("process 0: a process of this run was restarted on another machine; this one stops so that its launcher "
+            "starts it again") in out0, out0
+    assert "process 0: restart 1, sum 2.0" in out0 and "process 1: restart 1, sum 2.0" in out1, out0 + out1
+
+
+def test_the_restart_watch_runs_only_where_a_machine_can_restart_alone(monkeypatch):
+    """One machine's launcher restarts all of its processes together, and a run without restarts left has none
+    to wait for: no thread there."""
+    from common.distributed import watch_for_restarts
+
+    several = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "0",
+               "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for change in ({"LOCAL_WORLD_SIZE": "2"}, {"TORCHELASTIC_MAX_RESTARTS": "0"}, {"TORCHELASTIC_RESTART_COUNT": "1"},
+                   {"TORCHELASTIC_USE_AGENT_STORE": "False"}):
+        for name, value in {**several, **change}.items():
+            monkeypatch.setenv(name, value)
+        assert watch_for_restarts() is None, change
 
 
 def test_two_machines_each_decode_the_image_cache_once_into_one_shared_file(tmp_path, seedlings):
