@@ -177,12 +177,12 @@ def join_after_restart(*, cpu, dist_timeout=None):
         timeout=timeout)
 
 
-def watch_for_restarts(*, every_s=1.0):
+def watch_for_restarts():
     """On several machines with restarts left (--max_restarts): a thread that ends this process, for its launcher to
-    start it again, once a process of the run has been restarted on another machine (join_after_restart says so in
-    the launcher's store). Without it a process that began a collective after its peer died waits there until
-    --dist_timeout (gloo does not notice a peer whose connection closed before the collective began: seen in the
-    BatchNorm merge after a step), while the restarted peer waits for it to join."""
+    start it again, within a second of a process of the run being restarted on another machine (join_after_restart
+    says so in the launcher's store), which waits for this one to join. Without it this process notices nothing
+    until its next collective, and gloo once let that one wait for the dead peer until --dist_timeout (the BatchNorm
+    merge's all-reduce right after a step, its peer SIGKILLed: docs/launching.md)."""
     restart, restarts = (int(os.environ.get(name, 0)) for name in ("TORCHELASTIC_RESTART_COUNT",
                                                                    "TORCHELASTIC_MAX_RESTARTS"))
     machines = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -194,7 +194,7 @@ def watch_for_restarts(*, every_s=1.0):
             store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                is_master=False, timeout=timedelta(seconds=30))
             while not store.check([f"restarted_{restart + 1}"]):
-                time.sleep(every_s)
+                time.sleep(1)
         except Exception:  # the store is gone: the launcher on the main machine has ended, and the run with it
             return
         print(f"process {os.environ['RANK']}: a process of this run was restarted on another machine; this one stops "
