@@ -59,7 +59,7 @@ def assert_same_run(run, reference, *, rel=1e-6, per_process=True):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs (1 or 2 processes), with a checkpoint every 10 steps kept."""
+    """Uninterrupted runs (1 or 2 processes, and flags added to DIGITS), with a checkpoint every 10 steps kept."""
     runs = {}
 
     def get(processes, *flags):
