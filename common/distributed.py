@@ -158,6 +158,12 @@ def cpu_has_bf16_instructions():
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def launcher_store(timeout):
+    """The launcher's own store, served by its agent (TORCHELASTIC_USE_AGENT_STORE), as a client."""
+    return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                      timeout=timeout)
+
+
 def join_after_restart(*, cpu, dist_timeout=None):
     """After a restart by torchrun (--max_restarts), join the process group under keys of this restart: the
     launcher's store still holds the first attempt's keys, so the new processes would read the dead ones' addresses
@@ -168,8 +174,7 @@ def join_after_restart(*, cpu, dist_timeout=None):
     timeout = timedelta(seconds=dist_timeout or 600)
     if not cpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                       timeout=timeout)  # the launcher's own store, served by its agent
+    store = launcher_store(timeout)
     store.set(f"restarted_{restart}", os.environ["RANK"])  # before joining: a process still in the last attempt
     # waits in a collective for the dead one and would never join (watch_for_restarts)
     torch.distributed.init_process_group("gloo" if cpu else "nccl", store=torch.distributed.PrefixStore(
@@ -191,8 +196,7 @@ def watch_for_restarts():
 
     def watch():
         try:
-            store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                               is_master=False, timeout=timedelta(seconds=30))
+            store = launcher_store(timedelta(seconds=30))
             while not store.check([f"restarted_{restart + 1}"]):
                 time.sleep(1)
         except Exception:  # the store is gone: the launcher on the main machine has ended, and the run with it
