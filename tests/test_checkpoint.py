@@ -17,8 +17,9 @@ from common.run import checkpoint_name
 from common.errors import UserError
 from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
-from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
-                      launch_command, launch_warm, load_script, run_command, small_disk, spawn, wait_for, worker_pid)
+from conftest import (ACROSS_COUNTS, LAUNCHER_SIGTERM_CODE, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill,
+                      kill_everything, launch_command, launch_warm, load_script, run_command, small_disk, spawn,
+                      wait_for, worker_pid)
 from conftest import refused, script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -187,7 +188,7 @@ def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, 
     process.send_signal(signal.SIGTERM)  # to the launcher with 2 processes: torchrun passes it on
     returncode = process.wait(timeout=120)
     output = (tmp_path / "log").read_text()
-    assert returncode == (143 if processes == 1 else 1), output
+    assert returncode == (143 if processes == 1 else LAUNCHER_SIGTERM_CODE), output
     assert re.search(r"stopped by SIGTERM at epoch [2-4], step \d+: saved \S+/checkpoints/epoch_00[2-4]_batch_\d{6}\. "
                      r"Run the same command with --resume latest to continue\.", output), output
     latest = (output_dir / "checkpoints" / "latest").read_text().strip()

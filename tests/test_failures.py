@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from common.reporting import read_metrics
-from conftest import (REPO, all_gone, descendants, fill, kill_everything, launch_command, process_state, refused,
-                      run_command, script, small_disk, spawn, wait_for, worker_pid)
+from conftest import (LAUNCHER_SIGTERM_CODE, REPO, all_gone, descendants, fill, kill_everything, launch_command,
+                      process_state, refused, run_command, script, small_disk, spawn, wait_for, worker_pid)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
@@ -540,7 +540,7 @@ def test_sigterm_before_training_ends_the_run_through_its_cleanups(tmp_path, cif
     finally:
         kill_everything(process)
     output = log.read_text()
-    assert code == 143 if processes == 1 else code != 0, output
+    assert code == (143 if processes == 1 else LAUNCHER_SIGTERM_CODE), output
     assert output.count("stopped by SIGTERM (a preemption, a time limit, kill): nothing half-written was left; run "
                         "the same command again") == 1, output
     assert "Terminated" not in output and family and all_gone(family), output
