@@ -2,7 +2,6 @@
 
 import contextlib
 import gzip
-import importlib.metadata
 import importlib.util
 import io
 import json
@@ -34,6 +33,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch  # noqa: E402
+from accelerate.utils import compare_versions  # noqa: E402
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +43,7 @@ CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
 NEEDS_GB = 4  # the largest test's folder (checkpoints of ResNet-50) and the session's shared data, with room
 # `accelerate launch`'s exit code when it is sent SIGTERM: Accelerate 1.16 exits 128 + 15 like the processes it stops;
 # before, torchrun's SignalException ended it with a traceback and 1
-_accelerate = tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version("accelerate"))[:2])
-LAUNCHER_SIGTERM_CODE = 143 if _accelerate >= (1, 16) else 1
+LAUNCHER_SIGTERM_CODE = 143 if compare_versions("accelerate", ">=", "1.16") else 1
 
 
 def pytest_sessionstart(session):
