@@ -95,8 +95,9 @@ def run_command(command, *, cwd=None, env=None, timeout=600):
     return result
 
 
-def script(name, *args):
-    """`python scripts/NAME ARGS` as one process would run it, but in this process: its main under call_main, what it
+def script(name, *args, threads=None):
+    """`python scripts/NAME ARGS` as one process would run it (`threads`: as with OMP_NUM_THREADS=threads), but in this
+    process: its main under call_main, what it
     and its DataLoader workers write to stdout and stderr captured (Python's and the C libraries'), SystemExit as the
     exit code, an uncaught exception as exit code 1 with its traceback; then the state a run leaves in its process
     (Accelerate's, the SIGTERM and SIGINT handlers, the run folder's lock, torch's thread count) put back. It saves
@@ -112,7 +113,8 @@ def script(name, *args):
     argv, saved = [str(REPO / "scripts" / name), *map(str, args)], (sys.argv, sys.stdout, sys.stderr,
                                                                      signal.getsignal(signal.SIGTERM),
                                                                      signal.getsignal(signal.SIGINT))
-    threads, code = torch.get_num_threads(), 0
+    kept_threads, code = torch.get_num_threads(), 0
+    torch.set_num_threads(threads or kept_threads)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         saved[1].flush(), saved[2].flush()
         kept = os.dup(1), os.dup(2)
@@ -149,7 +151,7 @@ def script(name, *args):
             unlock_output_dirs()
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
-            torch.set_num_threads(threads)
+            torch.set_num_threads(kept_threads)
         out.seek(0), err.seek(0)
         result = subprocess.CompletedProcess(argv, code, *(f.read().decode(errors="replace") for f in (out, err)))
     result.output = result.stdout + result.stderr

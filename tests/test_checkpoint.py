@@ -18,7 +18,7 @@ from common.errors import UserError
 from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, LAUNCHER_SIGTERM_CODE, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill,
-                      kill_everything, launch_command, launch_warm, load_script, run_command, small_disk, spawn,
+                      kill_everything, launch_command, launch_warm, load_script, small_disk, spawn,
                       wait_for, worker_pid)
 from conftest import refused, script as run_script
 
@@ -33,13 +33,11 @@ def train_command(*args, processes, script=MNIST):
     return launch_command(script, *args, processes=processes) if processes > 1 else [sys.executable, script, *args]
 
 
-def train(*args, processes=1, script=MNIST, env=None):
-    """A run to completion: 1 process in this one (a process of its own with `env`), several forked warm."""
+def train(*args, processes=1, script=MNIST, threads=None):
+    """A run to completion: 1 process in this one, several forked warm; `threads` per process (OMP_NUM_THREADS)."""
     if processes > 1:
-        return launch_warm(script, *args, processes=processes, env=env)
-    if env is None:
-        return run_script(script.name, *args)
-    return run_command(train_command(*args, processes=processes, script=script), env=env)
+        return launch_warm(script, *args, processes=processes, env=threads and {"OMP_NUM_THREADS": str(threads)})
+    return run_script(script.name, *args, threads=threads)
 
 
 def start(*args, processes, log, env=None):
@@ -219,7 +217,7 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
     latest = (output_dir / "checkpoints" / "latest").read_text().strip()
     assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest), (tmp_path / "log").read_text()  # inside an epoch
 
-    resumed = train(*command, "--resume", "latest", processes=then, env=ONE_THREAD)  # the same command
+    resumed = train(*command, "--resume", "latest", processes=then, threads=1)  # the same command
     assert resumed.returncode == 0, resumed.output
     assert "thread(s) per process, this run with" not in resumed.output  # one thread each, as the checkpoint's
     assert (f"was written by {first} process(es) x {2 // first} accumulation step(s), this launch has {then} x "

@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,8 +24,8 @@ from common.folders import (build_file_dataloader, build_folder_dataset, build_t
                             find_splits, training_cache)
 from common.images import build_eval_transform, list_image_folder, read_image, split_dataset
 from common.models import build_model, load_pretrained
-from conftest import (ACROSS_COUNTS, FIXTURES, ONE_THREAD, REPO, assert_report_shows, assert_same_outcome,
-                      launch_command, launch_warm, read_run, run_command, script, spawn, stop_inside_an_epoch, wait_for)
+from conftest import (ACROSS_COUNTS, FIXTURES, REPO, assert_report_shows, assert_same_outcome,
+                      launch_command, launch_warm, read_run, script, spawn, stop_inside_an_epoch, wait_for)
 
 SCRIPTS = REPO / "scripts"
 
@@ -363,7 +362,7 @@ def test_a_cached_run_with_mixup_and_ema_stopped_inside_an_epoch_goes_on_with_on
     command += ["--output_dir", output_dir, "--checkpoint_every", 1]  # a SIGTERM is obeyed at the next step
     stop_inside_an_epoch(command, output_dir=output_dir, log=tmp_path / "log")
 
-    resumed = run_command([sys.executable, *command, "--resume", "latest"], env=ONE_THREAD)
+    resumed = script(command[0].name, *command[1:], "--resume", "latest", threads=1)
     assert resumed.returncode == 0, resumed.output
     assert "this launch has 1 x 2: the same global batch and samples" in resumed.output
     assert_same_outcome(output_dir, tmp_path / "reference", checkpoint="checkpoints/epoch_003_end", rel=ACROSS_COUNTS,
