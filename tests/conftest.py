@@ -97,12 +97,12 @@ def run_command(command, *, cwd=None, env=None, timeout=600):
 
 def script(name, *args, threads=None):
     """`python scripts/NAME ARGS` as one process would run it (`threads`: as with OMP_NUM_THREADS=threads), but in this
-    process: its main under call_main, what it
-    and its DataLoader workers write to stdout and stderr captured (Python's and the C libraries'), SystemExit as the
-    exit code, an uncaught exception as exit code 1 with its traceback; then the state a run leaves in its process
-    (Accelerate's, the SIGTERM and SIGINT handlers, the run folder's lock, torch's thread count) put back. It saves
-    each call an interpreter with torch and Accelerate to start (seconds on a 2-core CPU). Where a process is the point
-    (signals, a launcher, an environment), the tests start one: `run_command` or `launch`."""
+    process: its main under call_main, what it and its DataLoader workers write to stdout and stderr captured
+    (Python's and the C libraries'), SystemExit as the exit code, an uncaught exception as exit code 1 with its
+    traceback; then the state a run leaves in its process (Accelerate's, the SIGTERM and SIGINT handlers, the run
+    folder's lock, torch's thread count) put back. It saves each call an interpreter with torch and Accelerate to start
+    (seconds on a 2-core CPU). Where a process is the point (signals, a launcher, an environment), the tests start one:
+    `run_command` or `launch`."""
     from accelerate.state import AcceleratorState, GradientState
 
     from common import run
