@@ -33,12 +33,21 @@ def probabilities(model, images, *, tta="none"):
 @torch.inference_mode()
 def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
     """Loss (plain cross entropy), accuracy, macro-F1, samples, the `tta` used (see `probabilities`), and the
-    predictions, probabilities, labels and indices (numpy) of every process's samples, each once, in index order."""
+    predictions, probabilities, labels and indices (numpy) of every process's samples, each once, in index order.
+    A compiled model (--compile) sees every batch at the first one's size: the last, smaller batch is filled up with
+    copies of its last image, whose scores are dropped, so that Dynamo does not compile the model again for that
+    size (in eval mode each image's scores are its own: BatchNorm uses its running statistics)."""
     model.eval()
     _as_on_the_main_process(model, accelerator)
+    compiled, size = getattr(model, "_orig_mod", None) is not None, None  # torch.compile's wrapper holds _orig_mod
     kept = [], [], [], []  # this process's indices, losses, probabilities, labels
     for batch in eval_dataloader:
-        probs = probabilities(model, transform(batch["image"]), tta=tta)
+        images = transform(batch["image"])
+        count, size = len(images), size or len(images)
+        if compiled and count < size:
+            filler = images[-1:].expand(size - count, *images.shape[1:])
+            images = torch.cat([images, filler]).contiguous(memory_format=_layout(images))
+        probs = probabilities(model, images, tta=tta)[:count]
         loss = F.nll_loss(probs.clamp_min(1e-12).log(), batch["label"], reduction="none")
         for parts, tensor in zip(kept, (batch["index"], loss, probs, batch["label"])):
             parts.append(tensor.cpu())
@@ -48,6 +57,13 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
             "macro_f1": macro_f1(labels, predictions, num_classes=all_probabilities.shape[1]),
             "samples": len(labels), "tta": tta, "predictions": predictions.numpy(),
             "probabilities": all_probabilities.numpy(), "labels": labels.numpy(), "indices": indices.numpy()}
+
+
+def _layout(images):
+    """The memory format `images` (a batch, NCHW) is in: torch.channels_last or torch.contiguous_format."""
+    channels_last = images.dim() == 4 and not images.is_contiguous() and images.is_contiguous(
+        memory_format=torch.channels_last)
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def gather_samples(accelerator, index, *columns, chunk_bytes=2 ** 27):
