@@ -25,7 +25,9 @@ def probabilities(model, images, *, tta="none"):
     if tta == "flip_translate":
         height, width = images.shape[2:]
         padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
-        shifted = (flip_averaged(padded[:, :, :height, :width]) + flip_averaged(padded[:, :, 2:, 2:])) / 2
+        # each view copied into the batch's layout: a compiled model is not compiled again for a view's strides
+        views = (padded[:, :, :height, :width], padded[:, :, 2:, 2:])
+        shifted = sum(flip_averaged(view.contiguous(memory_format=_layout(images))) for view in views) / 2
         probs = (probs + shifted) / 2
     return probs
 
