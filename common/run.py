@@ -168,6 +168,8 @@ class TrainingRun:
         self._next_look = self._last_look = None  # the step of the next look; (step, time) of the last
         self._said_first_step = False  # the start-up's cost, said once the first optimizer step is done
         self._trained_at = None  # time.perf_counter() when the last epoch ended: the wind-down's start
+        self._compiled = self._whole = False  # --compile: the model is torch.compile's; the epoch was trained whole
+        self._whole_epochs = []  # --compile: (epoch, seconds) of the first two epochs this launch trained whole
 
     @property
     def finished(self):
@@ -180,6 +182,7 @@ class TrainingRun:
         """Continue from `checkpoint` (find_checkpoint's), or set an earlier run aside: all inputs are read by now."""
         accelerator = self.accelerator
         self.lr_scheduler = lr_scheduler
+        self._compiled = getattr(model, "_orig_mod", None) is not None  # torch.compile's wrapper holds _orig_mod
         if checkpoint is None:
             set_aside_earlier_run(self.output_dir, accelerator)
         else:
@@ -229,6 +232,7 @@ class TrainingRun:
             sampler.load_state_dict(self._resumed_stream)
             self._resumed_stream = None
         sampler.set_epoch(self.epoch, start=self.batch)  # self.batch: global micro-batches trained in the epoch
+        self._whole = self.batch == 0
         if hasattr(train_dataloader.dataset, "set_epoch"):  # a dataset that augments in its workers, seeded by epoch
             train_dataloader.dataset.set_epoch(self.epoch)
         self._start_totals()
@@ -296,6 +300,14 @@ class TrainingRun:
         if ema_evaluation:
             record.update({f"ema_val_{name}": ema_evaluation[name] for name in ("loss", "accuracy", "macro_f1")})
         log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)
+        if self._compiled and self._whole and len(self._whole_epochs) < 2:
+            self._whole_epochs.append((self.epoch, record["epoch_time_s"]))
+            if len(self._whole_epochs) == 2:  # what --compile cost: the first epoch holds the compiles
+                (first, slow), (second, fast) = self._whole_epochs
+                self.accelerator.print(f"--compile: epoch {first} took {slow:.1f} s, epoch {second} {fast:.1f} s: "
+                                       f"about {slow - fast:.1f} s of compiling the model for training and "
+                                       "evaluation (or of loading it from the compile cache), which an eager run "
+                                       "does not spend")
         return record
 
     @names_the_last_checkpoint

@@ -570,6 +570,11 @@ def test_compiled_channels_last_bf16_run_saves_plain_weights_and_resumes_compile
     model, meta = load_best_model(output_dir / "best")
     assert meta["args"]["compile"] and meta["args"]["channels_last"]
     assert f"mixed precision {precision}" in result.output
+    # what the compile cost, from the epochs' own times (the first holds the compiles)
+    said = re.search(r"--compile: epoch 1 took ([\d.]+) s, epoch 2 ([\d.]+) s: about (-?[\d.]+) s of compiling the "
+                     r"model for training and evaluation", result.output)
+    times = [json.loads(line)["epoch_time_s"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert said and [float(x) for x in said.groups()[:2]] == [round(t, 1) for t in times], result.output
 
     for again in (["--compile"], []):  # from the end of epoch 1, compiled again, then eagerly
         resumed_dir = tmp_path / f"resumed{len(again)}"
@@ -577,6 +582,7 @@ def test_compiled_channels_last_bf16_run_saves_plain_weights_and_resumes_compile
         resumed = train("--output_dir", resumed_dir, "--resume", resumed_dir / "checkpoints" / "epoch_001_end",
                         *again, processes=2)
         assert resumed.returncode == 0, resumed.output
+        assert "--compile:" not in resumed.output  # one epoch: nothing to compare it with
         expected, got = metrics(output_dir)[1], metrics(resumed_dir)[1]
         assert got["epoch"] == 2 and got["train_unique_samples"] == expected["train_unique_samples"]
         # compiled kernels and eager ones round differently; the run is the same one
