@@ -106,6 +106,12 @@ def check_gpus_usable():
                     "CUDA_VISIBLE_DEVICES (and launch with accelerate_configs/cpu.yaml for several processes).")
 
 
+def is_compiled(model):
+    """Whether `model` (prepared) is torch.compile's wrapper (--compile), which holds the model as `_orig_mod`; told
+    without Accelerate's is_compiled_module, which imports torch._dynamo (2 s) in a process that may never need it."""
+    return getattr(model, "_orig_mod", None) is not None
+
+
 def check_cpp_compiler():
     """torch.compile's Inductor builds C++ kernels on the CPU: without a working compiler (a slim container) it
     failed at the first step, in a traceback of 30 frames."""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from accelerate.utils import broadcast
 from torch.nn.parallel import DistributedDataParallel
 
+from .distributed import is_compiled
 from .mistakes import find_label_issues, write_mistakes_report
 from .reporting import confusion_matrix, write_predictions, write_reports
 
@@ -41,7 +42,7 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
     size (in eval mode each image's scores are its own: BatchNorm uses its running statistics)."""
     model.eval()
     _as_on_the_main_process(model, accelerator)
-    compiled, size = getattr(model, "_orig_mod", None) is not None, None  # torch.compile's wrapper holds _orig_mod
+    compiled, size = is_compiled(model), None
     kept = [], [], [], []  # this process's indices, losses, probabilities, labels
     for batch in eval_dataloader:
         images = transform(batch["image"])

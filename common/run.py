@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import ORDER, load_checkpoint, save_checkpoint
 from .data import mix_seed
-from .distributed import STARTED, BatchNormMerge
+from .distributed import STARTED, BatchNormMerge, is_compiled
 from .errors import STOP_HINTS, TERMINATED, Interrupted, Terminated, UserError, launcher_pid
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
@@ -182,7 +182,7 @@ class TrainingRun:
         """Continue from `checkpoint` (find_checkpoint's), or set an earlier run aside: all inputs are read by now."""
         accelerator = self.accelerator
         self.lr_scheduler = lr_scheduler
-        self._compiled = getattr(model, "_orig_mod", None) is not None  # torch.compile's wrapper holds _orig_mod
+        self._compiled = is_compiled(model)
         if checkpoint is None:
             set_aside_earlier_run(self.output_dir, accelerator)
         else:
