@@ -17,7 +17,7 @@ from common.errors import UserError
 from common.folders import find_splits
 from common.hf import hf_options
 from common.images import list_image_folder
-from conftest import (REPO, assert_report_shows, assert_same_outcome, launch, launch_warm, read_run, script,
+from conftest import (REPO, assert_report_shows, assert_same_outcome, launch_warm, read_run, script,
                       stop_inside_an_epoch)
 
 SCRIPTS = REPO / "scripts"
@@ -208,7 +208,7 @@ def test_one_split_of_parquet_with_string_labels_and_named_columns_is_split_as_a
     assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
     assert (f"error: {data_dir} split 'train' has more than one Image column (photo (Image), plant (Value), mask "
             "(Image)): name the images with --image_column") in refused.output
-    result = launch(*command, "--image_column", "photo", "--label_column", "plant", processes=1)
+    result = script(command[0].name, *command[1:], "--image_column", "photo", "--label_column", "plant")
     assert result.returncode == 0, result.output
     assert (f"{data_dir}: split 'train' trains; no validation / valid / val / test split: 26 of its images validate "
             "(--val_fraction 0.3, stratified, --seed); images from column 'photo', labels from 'plant' (12 classes: "
