@@ -16,8 +16,6 @@ import time
 import urllib.parse
 from pathlib import Path
 
-import torch
-
 
 class UserError(Exception):
     """A mistake the user can fix (bad path, bad flag, wrong launch): printed as one message, exit code 2."""
@@ -369,6 +367,9 @@ def call_main(main, args):
                               "slower). With checkpoints, --resume latest continues from the last one.", 1)
         if not isinstance(error, RuntimeError):
             raise
+        torch = sys.modules.get("torch")  # not imported here: a process that never imported it has no collective
+        if torch is None:
+            raise
         # gloo's own words without its name too: "Application timeout caused pair closure" (DDP's buffer broadcast)
         from_collective = (isinstance(error, torch.distributed.DistError)
                            or re.search(r"gloo|nccl|c10d|pair closure", str(error), re.IGNORECASE))
@@ -428,7 +429,8 @@ def out_of_memory(error):
         return f"the GPU's, allocating {found.group(1)} more"
     if found:
         return f"the machine's, allocating {int(found.group(2)) / 2 ** 20:,.0f} MiB more"
-    return text[:300] if isinstance(error, torch.OutOfMemoryError) else None
+    torch = sys.modules.get("torch")  # an error of PyTorch's allocator only where it was imported
+    return text[:300] if torch is not None and isinstance(error, torch.OutOfMemoryError) else None
 
 
 def too_many_open_files():
