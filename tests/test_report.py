@@ -144,17 +144,15 @@ def test_the_digits_demos_report_opens_in_a_browser(digits_run):
 
 @pytest.mark.parametrize("epochs", [3, 5, 8, 15, 30])
 def test_the_curves_epoch_axes_show_whole_epochs(epochs):
-    from common.reporting import _pyplot, curves_figure
+    from common.reporting import curves_figure
 
     records = [{"epoch": e, "train_loss": 1 / e, "val_loss": 1.2 / e, "val_accuracy": 1 - 1 / (e + 1)}
                for e in range(1, epochs + 1)]
-    plt = _pyplot()
-    figure = curves_figure(plt, records)
+    figure = curves_figure(records)
     figure.canvas.draw()
     for ax in figure.axes:
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (epochs, ticks)
-    plt.close(figure)
 
 
 CJK_FONT = "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc"  # Debian's fonts-wqy-microhei, which make test installs

@@ -25,8 +25,8 @@ from pathlib import Path
 # what every script imports before its first step (torch._dynamo: the optimizer's first step imports it), for the
 # first step's line (psutil: the launch clock) and at its end (matplotlib: the plots)
 PRELOAD = ["torch", "torch._dynamo", "torchvision", "accelerate", "timm", "common.run", "common.distributed",
-           "common.checkpoint", "common.folders", "common.models", "common.reporting", "matplotlib.pyplot", "psutil",
-           "warm"]
+           "common.checkpoint", "common.folders", "common.models", "common.reporting", "matplotlib.figure",
+           "matplotlib.backends.backend_agg", "psutil", "warm"]
 # torchrun's keys that name the launcher's own run: its store (rank 0 hosts one here), its error files, its port
 NOT_KEPT = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT")
 TERMINATE_GRACE_S = 30  # torchrun's: how long the others get after a SIGTERM when one process failed
