@@ -95,29 +95,6 @@ def network():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def test_two_machines_train_one_model(tmp_path, network):
-    """Two launches of one process each, machine ranks 0 and 1, from two network namespaces (on loopback where they
-    cannot be made: the other tests of two machines cover that path)."""
-    output_dir = tmp_path / "run"  # one folder both "machines" see, as a shared filesystem
-    (code0, out0), (code1, out1) = run_machines(tmp_path, [*DIGITS, "--output_dir", output_dir],
-                                                [*DIGITS, "--output_dir", output_dir], **network)
-    assert code0 == 0 and code1 == 0, out0 + out1
-    # both machines joined one job of 2 processes and took the same optimizer steps
-    for output in (out0, out1):
-        assert re.search(r"20 optimizer steps, lr .*; 2 process\(es\), MULTI_CPU", output), output
-    assert epoch_lines(out0) == epoch_lines(out1) and len(epoch_lines(out0)) == 2
-    metrics, report = read_run(output_dir)
-    assert [m["step"] for m in metrics] == [10, 20]  # one writer: one line per epoch
-    # the data was split between the machines, and each test image was counted once
-    assert_two_processes_shared_the_data(metrics, train_size=DIGITS_TRAIN, batch_size=64)
-    assert_each_test_sample_counted_once(metrics, report, DIGITS_TEST_SET.labels, DIGITS_TEST_SET.classes)
-    # the checkpoint holds both processes' random states; everything else was written once, by process 0
-    checkpoint = output_dir / "checkpoints" / "epoch_002_end"
-    assert sorted(p.name for p in checkpoint.iterdir()) == [
-        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
-    assert not [p.name for p in output_dir.iterdir() if p.name.startswith(".")]  # no probe or temporary left
-
-
 def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
     """Two machines with --max_restarts 1: SIGKILL machine 1's process after the first checkpoint. Each
     machine's launcher starts its process again, they meet again through the same rendezvous, continue from
@@ -203,15 +180,35 @@ def test_the_restart_watch_runs_only_where_a_machine_can_restart_alone(monkeypat
         assert watch_for_restarts() is None, change
 
 
-def test_two_machines_each_decode_the_image_cache_once_into_one_shared_file(tmp_path, seedlings):
-    """--cache_images on two "machines" sharing the data folder: each machine decodes the images once (its
-    one process, here) under a temporary name of its own and renames it to the same file; both train."""
-    data = shutil.copytree(seedlings, tmp_path / "data")
-    args = ["--data_dir", data, "--model", "test_resnet", "--image_size", 48, "--epochs", 1, "--batch_size", 4,
-            "--num_workers", 0, "--cache_images", "--output_dir", tmp_path / "run"]
-    (code0, out0), (code1, out1) = run_machines(tmp_path, args, args, script=REPO / "scripts" / "train_seedlings.py")
+def test_two_machines_train_one_model_each_decoding_the_image_cache_once_into_one_shared_file(tmp_path, seedlings,
+                                                                                               network):
+    """Two launches of one process each, machine ranks 0 and 1, from two network namespaces (on loopback where they
+    cannot be made: the other tests of two machines cover that path), the run folder and the data folder on one
+    filesystem both see. --cache_images: each machine decodes the images once (its one process, here) under a
+    temporary name of its own and renames it to the same file."""
+    from common.folders import find_splits
+
+    data, output_dir = shutil.copytree(seedlings, tmp_path / "data"), tmp_path / "run"
+    args = ["--data_dir", data, "--model", "test_resnet", "--image_size", 48, "--epochs", 2, "--batch_size", 4,
+            "--num_workers", 0, "--cache_images", "--output_dir", output_dir]
+    (code0, out0), (code1, out1) = run_machines(tmp_path, args, args, script=REPO / "scripts" / "train_seedlings.py",
+                                                **network)
     assert code0 == 0 and code1 == 0, out0 + out1
-    assert epoch_lines(out0) == epoch_lines(out1) and len(epoch_lines(out0)) == 1
+    # both machines joined one job of 2 processes and took the same optimizer steps
+    for output in (out0, out1):
+        assert re.search(r"14 optimizer steps, lr .*; 2 process\(es\), MULTI_CPU", output), output
+    assert epoch_lines(out0) == epoch_lines(out1) and len(epoch_lines(out0)) == 2
+    metrics, report = read_run(output_dir)
+    assert [m["step"] for m in metrics] == [7, 14]  # one writer: one line per epoch
+    # the data was split between the machines, and each validation image was counted once
+    assert_two_processes_shared_the_data(metrics, train_size=59, batch_size=4)
+    _, val, classes, _ = find_splits(seedlings, val_fraction=0.3, seed=42)
+    assert_each_test_sample_counted_once(metrics, report, torch.tensor(val["labels"]), classes)
+    # the checkpoint holds both processes' random states; everything else was written once, by process 0
+    checkpoint = output_dir / "checkpoints" / "epoch_002_end"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
+    assert not [p.name for p in output_dir.iterdir() if p.name.startswith(".")]  # no probe or temporary left
     for split, size in (("train", 55), ("val", 48)):  # training: the whole resized square; evaluation: its crop
         record = json.loads((data / f".checked-{split}.json").read_text())
         assert record["checked_per_process"] == [record["images"]] * 2  # once on each machine
