@@ -182,26 +182,38 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
 
 # ---- slow: real runs ----
 
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, reference, processes):
-    output_dir = tmp_path / "run"
-    process = start(*DIGITS, "--output_dir", output_dir, processes=processes, log=tmp_path / "log")
+def stop_by_sigterm_inside_an_epoch(*command, output_dir, processes, log, env=None):
+    """Start a run, send it SIGTERM once epoch 1 is saved (the launcher, with 2 processes: torchrun passes it on):
+    it saves inside epoch 2-4 and says so. The name of that checkpoint."""
+    process = start(*command, processes=processes, log=log, env=env)
     wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
-    process.send_signal(signal.SIGTERM)  # to the launcher with 2 processes: torchrun passes it on
+    process.send_signal(signal.SIGTERM)
     returncode = process.wait(timeout=120)
-    output = (tmp_path / "log").read_text()
+    output = log.read_text()
     assert returncode == (143 if processes == 1 else LAUNCHER_SIGTERM_CODE), output
     assert re.search(r"stopped by SIGTERM at epoch [2-4], step \d+: saved \S+/checkpoints/epoch_00[2-4]_batch_\d{6}\. "
                      r"Run the same command with --resume latest to continue\.", output), output
     latest = (output_dir / "checkpoints" / "latest").read_text().strip()
-    assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest)  # stopped in the middle of an epoch
+    assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest), output  # stopped in the middle of an epoch
     assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
+    return latest
 
-    resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "latest", processes=processes)
+
+def resume_as_it_was(command, output_dir, latest, reference, *, processes, threads=None):
+    """`command` again with --resume latest on `processes`: it says where it resumed, and ends as `reference`."""
+    resumed = train(*command, "--resume", "latest", processes=processes, threads=threads)
     assert resumed.returncode == 0, resumed.output
     assert f"resumed from {output_dir / 'checkpoints' / latest}" in resumed.output
-    assert_same_run(output_dir, reference(processes))
+    assert_same_run(output_dir, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, reference):
+    """One process; on 2, the test below stops the run, and continues a copy of it on 2 processes as this does."""
+    output_dir = tmp_path / "run"
+    command = [*DIGITS, "--output_dir", output_dir]
+    latest = stop_by_sigterm_inside_an_epoch(*command, output_dir=output_dir, processes=1, log=tmp_path / "log")
+    resume_as_it_was(command, output_dir, latest, reference(1), processes=1)
 
 
 @pytest.mark.slow
@@ -214,13 +226,13 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
     counts to bf16, and which of them cross a rounding step is luck (val_loss 1e-4 apart in epoch 2 on a CPU with
     bf16 instructions once the optimizer became the fused one; within 6e-7 in fp32)."""
     output_dir = tmp_path / "run"
-    command = [*DIGITS, *FP32, "--output_dir", output_dir, *(["--grad_accum", 2] if first == 1 else [])]
-    process = start(*command, processes=first, log=tmp_path / "log", env=ONE_THREAD)
-    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
-    assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest), (tmp_path / "log").read_text()  # inside an epoch
+    options = [*DIGITS, *FP32, *(["--grad_accum", 2] if first == 1 else [])]
+    command = [*options, "--output_dir", output_dir]
+    latest = stop_by_sigterm_inside_an_epoch(*command, output_dir=output_dir, processes=first, log=tmp_path / "log",
+                                             env=ONE_THREAD)
+    if first == 2:  # a copy continued on the same 2 processes: the same run, to the last digit
+        same = shutil.copytree(output_dir, tmp_path / "same")
+        resume_as_it_was([*options, "--output_dir", same], same, latest, reference(2, *FP32), processes=2, threads=1)
 
     resumed = train(*command, "--resume", "latest", processes=then, threads=1)  # the same command
     assert resumed.returncode == 0, resumed.output
