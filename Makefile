@@ -12,9 +12,11 @@ CJK_FONT := /usr/share/fonts/truetype/wqy/wqy-microhei.ttc
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # pytest-xdist workers, each taking a whole test file at a time (a file's tests share its runs): 2 finish the
 # suite 1.25x sooner on 2 cores, where a launch's start and end leave a core idle (BENCHMARKS.md); 0: one process.
-# Each worker's runs take its share of the cores as threads (tests/conftest.py: OMP_NUM_THREADS)
+# Each worker's runs take its share of the cores as threads (tests/conftest.py: OMP_NUM_THREADS). The files are handed
+# out longest first (tests/conftest.py: LONGEST_FIRST), not by their number of tests (xdist's default), so that the
+# workers end together
 WORKERS ?= 2
-PYTEST := $(VENV)/bin/python -m pytest -n $(WORKERS) --dist loadfile
+PYTEST := $(VENV)/bin/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup demo test test-fast browser bench-gpu
 

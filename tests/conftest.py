@@ -59,9 +59,10 @@ def pytest_sessionstart(session):
 
 
 # The test files by their tests' time, longest first (the 2-core AMD EPYC with AVX2 only, 2026-12-03): pytest-xdist's
-# --dist loadfile hands whole files to its workers in the order they were collected, so the last ones handed out are
-# short and both workers end at about the same time (in name order a 70 s file came last, 23 s after the other
-# worker had ended). A file not named here comes after these, in name order.
+# --dist loadfile --no-loadscope-reorder (the Makefile's) hands whole files to its workers in the order they were
+# collected, so the last ones handed out are short and both workers end at about the same time (by their number of
+# tests, xdist's default, a file of 4 tests and 70 s came last, and one worker ended 23-42 s after the other). A file
+# not named here comes after these.
 LONGEST_FIRST = ["test_distributed.py", "test_failures.py", "test_launch.py", "test_checkpoint.py", "test_bench_gpu.py",
                  "test_accuracy.py", "test_seedlings.py", "test_bad_inputs.py", "test_hf.py", "test_recipe.py",
                  "test_builders.py", "test_model_folder.py", "test_predict.py", "test_report.py", "test_evaluate.py",
