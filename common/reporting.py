@@ -140,8 +140,8 @@ def confusion_matrix(labels, predictions, num_classes):
 
 
 def _figure(**kwargs):
-    """A matplotlib Figure drawn by Agg, without pyplot (whose import, two thirds of a second, would be most of the
-    plots' time at the end of a run) and its figure registry: nothing to close, no display needed."""
+    """A matplotlib Figure drawn by Agg, without pyplot's backend choice and figure registry: no display needed,
+    nothing to close (its import costs about what pyplot's does: BENCHMARKS.md)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
