@@ -256,15 +256,22 @@ def process_state(pid):
         return None
 
 
-def stop_inside_an_epoch(command, *, output_dir, log):
-    """Launch `command` on 2 processes (with --checkpoint_every 1, a SIGTERM is obeyed at the next step) and send
-    the launcher SIGTERM once epoch 1's checkpoint is written: the name of the checkpoint it stopped at."""
-    process = spawn(launch_command(*command), log=log)
+def stop_inside_an_epoch(command, *, output_dir, log, processes=2, env=None):
+    """Start `command` (a script, its arguments with --epochs and --checkpoint_every 1: a SIGTERM is obeyed at the next
+    step) on `processes` in the background, and send SIGTERM once epoch 1 is saved (to the launcher, with 2: torchrun
+    passes it on). It saves inside a later epoch and says so: the name of that checkpoint."""
+    command = launch_command(*command, processes=processes) if processes > 1 else [sys.executable, *command]
+    process = spawn(command, log=log, env=env)
     wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
+    returncode = process.wait(timeout=120)
+    output, epochs = log.read_text(), f"[2-{command[command.index('--epochs') + 1]}]"
+    assert returncode == (143 if processes == 1 else LAUNCHER_SIGTERM_CODE), output
+    assert re.search(rf"stopped by SIGTERM at epoch {epochs}, step \d+: saved \S+/checkpoints/epoch_00{epochs}_batch_"
+                     r"\d{6}\. Run the same command with --resume latest to continue\.", output), output
     latest = (output_dir / "checkpoints" / "latest").read_text().strip()
-    assert re.fullmatch(r"epoch_00[23]_batch_\d{6}", latest), log.read_text()
+    assert re.fullmatch(rf"epoch_00{epochs}_batch_\d{{6}}", latest), output  # stopped in the middle of an epoch
+    assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
     return latest
 
 

@@ -17,9 +17,9 @@ from common.run import checkpoint_name
 from common.errors import UserError
 from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
-from conftest import (ACROSS_COUNTS, LAUNCHER_SIGTERM_CODE, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill,
-                      kill_everything, launch_command, launch_warm, load_script, small_disk, spawn,
-                      wait_for, worker_pid)
+from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
+                      launch_command, launch_warm, load_script, small_disk, spawn, stop_inside_an_epoch, wait_for,
+                      worker_pid)
 from conftest import refused, script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -182,23 +182,6 @@ def test_a_sigterm_is_obeyed_within_seconds_when_steps_are_slow(tmp_path):
 
 # ---- slow: real runs ----
 
-def stop_by_sigterm_inside_an_epoch(*command, output_dir, processes, log, env=None):
-    """Start a run, send it SIGTERM once epoch 1 is saved (the launcher, with 2 processes: torchrun passes it on):
-    it saves inside epoch 2-4 and says so. The name of that checkpoint."""
-    process = start(*command, processes=processes, log=log, env=env)
-    wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
-    process.send_signal(signal.SIGTERM)
-    returncode = process.wait(timeout=120)
-    output = log.read_text()
-    assert returncode == (143 if processes == 1 else LAUNCHER_SIGTERM_CODE), output
-    assert re.search(r"stopped by SIGTERM at epoch [2-4], step \d+: saved \S+/checkpoints/epoch_00[2-4]_batch_\d{6}\. "
-                     r"Run the same command with --resume latest to continue\.", output), output
-    latest = (output_dir / "checkpoints" / "latest").read_text().strip()
-    assert re.fullmatch(r"epoch_00[2-4]_batch_\d{6}", latest), output  # stopped in the middle of an epoch
-    assert (output_dir / "checkpoints" / latest / "trainer_state.json").exists()
-    return latest
-
-
 def resume_as_it_was(command, output_dir, latest, reference, *, processes, threads=None):
     """`command` again with --resume latest on `processes`: it says where it resumed, and ends as `reference`."""
     resumed = train(*command, "--resume", "latest", processes=processes, threads=threads)
@@ -212,7 +195,7 @@ def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, 
     """One process; on 2, the test below stops the run, and continues a copy of it on 2 processes as this does."""
     output_dir = tmp_path / "run"
     command = [*DIGITS, "--output_dir", output_dir]
-    latest = stop_by_sigterm_inside_an_epoch(*command, output_dir=output_dir, processes=1, log=tmp_path / "log")
+    latest = stop_inside_an_epoch([MNIST, *command], output_dir=output_dir, processes=1, log=tmp_path / "log")
     resume_as_it_was(command, output_dir, latest, reference(1), processes=1)
 
 
@@ -228,8 +211,8 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
     output_dir = tmp_path / "run"
     options = [*DIGITS, *FP32, *(["--grad_accum", 2] if first == 1 else [])]
     command = [*options, "--output_dir", output_dir]
-    latest = stop_by_sigterm_inside_an_epoch(*command, output_dir=output_dir, processes=first, log=tmp_path / "log",
-                                             env=ONE_THREAD)
+    latest = stop_inside_an_epoch([MNIST, *command], output_dir=output_dir, processes=first, log=tmp_path / "log",
+                                  env=ONE_THREAD)
     if first == 2:  # a copy continued on the same 2 processes: the same run, to the last digit
         same = shutil.copytree(output_dir, tmp_path / "same")
         resume_as_it_was([*options, "--output_dir", same], same, latest, reference(2, *FP32), processes=2, threads=1)
