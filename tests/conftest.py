@@ -104,6 +104,18 @@ def launch_warm(*args, processes=2, cwd=None, env=None, timeout=600):
     return warm.launch(*args, processes=processes, cwd=cwd or REPO, env=env, timeout=timeout)
 
 
+@pytest.fixture
+def warm_children(monkeypatch):
+    """The processes a tool run by script() starts as `sys.executable SCRIPT` or `-m MODULE` (a training script, a
+    launcher and its processes, a peer's script) are forked from the warm server (tests/warm.py: python): for the
+    tools' tests, which check what a tool does with its runs, not how fast an interpreter starts."""
+    import warm
+
+    stand_in, address = warm.python()
+    monkeypatch.setattr(sys, "executable", stand_in)
+    monkeypatch.setenv(warm.ADDRESS, address)
+
+
 def run_command(command, *, cwd=None, env=None, timeout=600):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     result = subprocess.run(list(map(str, command)), cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -25,7 +25,7 @@ def test_cifar_default_recipe_warms_up_without_a_loss_spike(tmp_path, cifar_jpeg
 
 
 @pytest.mark.slow
-def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path):
+def test_accuracy_guard_records_then_fails_a_recipe_whose_accuracy_fell(tmp_path, warm_children):
     """The guard on its cheapest recipe (the digits demo, one seed): --record writes what it measured, saying how it
     compares with the record it replaces; a record a few points above what the recipe reaches (a change that lost
     accuracy) fails by name with exit code 2."""

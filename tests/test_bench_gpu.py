@@ -156,7 +156,7 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path):
+def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path, warm_children):
     """prepare --smoke, then run --smoke --device cpu: the reference, ours cold and warm, ours warm with the variant
     recipe, the seedlings peers, each a few steps on the fixture images; what comes back is at most 8 files. The
     peers' scripts are never in the repository: where no ../shared holds them (a clone elsewhere, as CI's may be),

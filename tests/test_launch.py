@@ -208,7 +208,7 @@ def test_benchmark_prints_the_table_and_json(tmp_path, cifar_jpegs):
                                                          / statistics.median(bench["data_seed"]))
 
 
-def test_folder_benchmark_measures_start_up_and_memory_of_each_process(tmp_path):
+def test_folder_benchmark_measures_start_up_and_memory_of_each_process(tmp_path, warm_children):
     """Of a folder and (--hf) of the same images as a Hugging Face dataset, on one process (started as `python`,
     cold and warm, files and cache: each table row); then one probe launched on 2 processes (`accelerate launch`),
     whose every process reports, each reading the same decoded images (the default, 1 and 2, runs both)."""
@@ -239,7 +239,7 @@ def test_folder_benchmark_measures_start_up_and_memory_of_each_process(tmp_path)
     assert min(report["startup_s"] for report in reports) > 0 and min(report["pss_mb"] for report in reports) > 0
 
 
-def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(tmp_path, seedlings):
+def test_the_hf_benchmark_trains_a_folder_and_its_dataset_to_the_same_accuracy(tmp_path, seedlings, warm_children):
     result = script("benchmark_hf.py", "--data_dir", seedlings, "--work_dir", tmp_path, "--repeats", 1, "--", "--model",
                     "test_resnet", "--image_size", 32, "--epochs", 1, "--batch_size", 8)
     assert result.returncode == 0, result.output
@@ -276,7 +276,8 @@ SHARED = REPO.parent / "shared"  # the peers' scripts live beside the repository
 
 
 @pytest.mark.parametrize("task", ["seedlings", "fashion_mnist"])
-def test_the_peer_benchmark_times_each_script_to_its_targets_on_a_tiny_budget(tmp_path, seedlings, task):
+def test_the_peer_benchmark_times_each_script_to_its_targets_on_a_tiny_budget(tmp_path, seedlings, task,
+                                                                               warm_children):
     """Ours on two seeds (seedlings: a run per seed, read back per seed); on Fashion-MNIST, one seed, ours and the
     seed post's script where ../shared holds it. timm's train.py and cv_example.py are timed the same way by the GPU
     benchmark's smoke run (tests/test_bench_gpu.py) on one seed."""

@@ -4,9 +4,16 @@ torch, Accelerate, timm and common/, and get the environment that a real `accele
 its exit code, its atexit handlers), so what a test reads of such a run (files, output, exit code) is what a launch
 leaves; what it saves is two interpreters with their imports and the launcher's (about 20 CPU-seconds on a 2-core
 CPU). For runs a test reads; a test about the launcher itself (signals, restarts, machines, its refusals) launches
-a real one (conftest.launch)."""
+a real one (conftest.launch).
+
+`python()` is the same for the processes a tool starts (the benchmarks start training scripts, launchers and peers'
+scripts as `sys.executable ...`): a stand-in `python` that has the script forked from the server with its arguments,
+environment, working directory and standard streams, passes signals on and exits as it did. For the tools' tests,
+which check what a tool does with its runs; the tools' timings of a fresh interpreter are measured by the benchmarks
+themselves (BENCHMARKS.md), never by a test."""
 
 import atexit
+import contextlib
 import io
 import json
 import math
@@ -14,11 +21,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,8 +40,45 @@ PRELOAD = ["torch", "torch._dynamo", "torchvision", "accelerate", "timm", "commo
 NOT_KEPT = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT")
 TERMINATE_GRACE_S = 30  # torchrun's: how long the others get after a SIGTERM when one process failed
 
+ADDRESS = "WARM_PYTHON_SERVER"  # the environment variable that tells the stand-in `python` where to ask
+# The stand-in: only the standard library, started without site (a few hundredths of a second). `python [-u] SCRIPT`
+# and `python [-u] -m MODULE` are forked warm; anything else (-c, as multiprocessing's spawn starts its children,
+# passing them descriptors; other options) runs in the real interpreter.
+STAND_IN = """#!{python} -S
+import json, os, signal, socket, sys
+args = sys.argv[1:]
+args = args[1:] if args[:1] == ["-u"] else args
+if not args or (args[0].startswith("-") and args[:1] != ["-m"]) or args == ["-m"] or {address!r} not in os.environ:
+    os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+server = socket.socket(socket.AF_UNIX)
+server.connect(os.environ[{address!r}])
+channel = server.makefile("rw")
+channel.write(json.dumps({{"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}}) + "\\n")
+channel.flush()
+pid = json.loads(channel.readline())["pid"]
+
+
+def pass_on(number, frame):
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(number, pass_on)
+code = json.loads(channel.readline())["exit_code"]
+if code < 0:  # ended by a signal: so does this process
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
 _server = None
 _environments = {}
+_python = None
+_stand_ins = {}  # a process forked for a stand-in: that stand-in
+_starting = threading.Lock()  # Process.start() from the threads that serve the stand-ins
 
 
 def launch(script, *args, processes=2, env=None, cwd=None, timeout=600):
@@ -74,6 +120,53 @@ def launch_environment(processes):
     return _environments[processes]
 
 
+def python():
+    """(the stand-in `python`'s path, its server's address): a tool run in the test process with sys.executable set
+    to the first and os.environ[ADDRESS] to the second starts its scripts forked warm."""
+    global _python
+    if _python is None:
+        folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(folder / "server"))
+        listener.listen()
+        stand_in = folder / "python"
+        stand_in.write_text(STAND_IN.format(python=sys.executable, address=ADDRESS))
+        stand_in.chmod(0o755)
+        _python = str(stand_in), str(folder / "server")
+        threading.Thread(target=_serve, args=(listener,), name="warm_python", daemon=True).start()
+    return _python
+
+
+def _serve(listener):
+    while True:
+        connection, _ = listener.accept()
+        threading.Thread(target=_serve_one, args=(connection,), daemon=True).start()
+
+
+def _serve_one(connection):
+    """One stand-in's script, forked; killed if the stand-in ends first (killed by a tool's timeout)."""
+    with connection:
+        with connection.makefile() as channel:
+            request = json.loads(channel.readline())
+        # its parent as the script would see it started by the stand-in: the stand-in's parent, or where that is a
+        # process forked here (a launcher's), the stand-in it was forked for (with the launch's start and command)
+        parent = int(Path(f"/proc/{request['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        with _starting:
+            process = _context().Process(target=_run_forked, args=(request, _stand_ins.get(parent, parent),
+                                                                   _python[0]))
+            process.start()
+            _stand_ins[process.pid] = request["pid"]
+        connection.sendall(json.dumps({"pid": process.pid}).encode() + b"\n")
+        if process.sentinel not in multiprocessing.connection.wait([process.sentinel, connection]):
+            process.kill()  # the stand-in's end closed the connection
+        process.join()
+        with contextlib.suppress(OSError):  # the stand-in is gone
+            connection.sendall(json.dumps({"exit_code": process.exitcode}).encode() + b"\n")
+        with _starting:
+            del _stand_ins[process.pid]
+
+
 def _context():
     global _server
     if _server is None:
@@ -111,11 +204,32 @@ def _wait(processes, timeout):
 
 def _run_script(script, args, env, cwd, out, err):
     """In the forked process: `python script args` with `env` in `cwd`, its output onto `out` and `err`."""
+    _become(env, cwd, {1: out, 2: err})
+    _run_main(script, args)
+
+
+def _run_forked(request, parent, stand_in):
+    """In the forked process: the stand-in's `python [-m] TARGET args`, onto the stand-in's own standard streams,
+    with `parent` as its parent process (what common/ reads of its launcher: its start, command line and folder);
+    sys.executable is the stand-in, so that what this one starts is forked warm too."""
+    _become(request["env"], request["cwd"], {fd: f"/proc/{request['pid']}/fd/{fd}" for fd in (0, 1, 2)})
+    os.getppid = lambda: parent
+    sys.executable = stand_in
+    args = request["args"]
+    if args[0] == "-m":
+        _run_main(args[1], args[2:], module=True)
+    else:
+        _run_main(args[0], args[1:])
+
+
+def _become(env, cwd, streams):
+    """`env`, `cwd`, and each descriptor of `streams` opened onto its path (the output appended, as onto a launcher's
+    inherited descriptors)."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):  # both processes append, as onto a launcher's inherited descriptors
-        file = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for fd, path in streams.items():
+        file = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(file, fd)
         os.close(file)
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True) for fd in (1, 2))
@@ -125,10 +239,18 @@ def _run_script(script, args, env, cwd, out, err):
     multiprocessing.set_start_method(None, force=True)
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # read at import, in the server
-    sys.argv, sys.path[0] = [script, *args], str(Path(script).parent)
+
+
+def _run_main(target, args, *, module=False):
+    """`python target args` (`module`: `python -m target args`) as `__main__`; its exit code is this process's."""
+    sys.argv = [target, *args]
+    sys.path[0] = os.getcwd() if module else str(Path(target).parent)
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:
         code = stop.code
     finally:
