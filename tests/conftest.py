@@ -352,6 +352,34 @@ def digits_run(tmp_path_factory):
     return output_dir
 
 
+DIGITS_RUN = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]  # the resume tests' run: 42 steps an epoch
+FP32 = ["--mixed_precision", "no"]  # where runs on other process counts are compared (tests/test_checkpoint.py)
+
+
+@pytest.fixture(scope="session")
+def digits_reference(tmp_path_factory):
+    """DIGITS_RUN uninterrupted (1 or 2 processes, with flags added), a checkpoint every 10 steps kept: what a stopped,
+    killed or resumed run must end as. FP32 where the CPU computes no bf16 is the default run (which trains in fp32
+    there): the same run, trained once."""
+    from common.distributed import cpu_computes_bf16
+
+    runs = {}
+
+    def get(processes, *flags):
+        if list(flags) == FP32 and not cpu_computes_bf16():
+            flags = ()
+        if (processes, *flags) not in runs:
+            output_dir = tmp_path_factory.mktemp(f"reference{processes}") / "run"
+            args = [*DIGITS_RUN, *flags, "--output_dir", output_dir, "--checkpoint_every", 10, "--keep_checkpoints", 100]
+            result = (launch_warm(REPO / "scripts" / "train_mnist.py", *args, processes=processes) if processes > 1
+                      else script("train_mnist.py", *args))
+            assert result.returncode == 0, result.output
+            runs[processes, *flags] = output_dir
+        return runs[processes, *flags]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def cifar_jpegs(tmp_path_factory):
     """Real CIFAR-10 JPEGs as an ImageFolder tree: train/ 151 images, test/ 101 (sizes that divide by nothing).

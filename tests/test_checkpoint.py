@@ -17,7 +17,7 @@ from common.run import checkpoint_name
 from common.errors import UserError
 from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
-from conftest import (ACROSS_COUNTS, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
+from conftest import (ACROSS_COUNTS, DIGITS_RUN, FP32, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
                       launch_command, launch_warm, load_script, small_disk, spawn, stop_inside_an_epoch, wait_for,
                       worker_pid)
 from conftest import refused, script as run_script
@@ -25,8 +25,6 @@ from conftest import refused, script as run_script
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
 # 42 steps per epoch on 2 processes, 84 on 1: long enough to stop a run in the middle of it
-DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
-FP32 = ["--mixed_precision", "no"]  # where runs on other process counts are compared: see the test
 
 
 def train_command(*args, processes, script=MNIST):
@@ -54,28 +52,6 @@ def assert_same_run(run, reference, *, rel=1e-6, per_process=True):
     """Same weights, optimizer state, metrics and best-model predictions as the uninterrupted 4-epoch run."""
     assert len(metrics(run)) == 4
     assert_same_outcome(run, reference, checkpoint="checkpoints/epoch_004_end", rel=rel, per_process=per_process)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted runs (1 or 2 processes, and flags added to DIGITS), with a checkpoint every 10 steps kept. FP32
-    where the CPU computes no bf16 is the default run (which trains in fp32 there): the same run, trained once."""
-    from common.distributed import cpu_computes_bf16
-
-    runs = {}
-
-    def get(processes, *flags):
-        if list(flags) == FP32 and not cpu_computes_bf16():
-            flags = ()
-        if (processes, *flags) not in runs:
-            output_dir = tmp_path_factory.mktemp(f"reference{processes}") / "run"
-            result = train(*DIGITS, *flags, "--output_dir", output_dir, "--checkpoint_every", 10,
-                           "--keep_checkpoints", 100, processes=processes)
-            assert result.returncode == 0, result.output
-            runs[processes, *flags] = output_dir
-        return runs[processes, *flags]
-
-    return get
 
 
 # ---- fast: the pieces ----
@@ -191,31 +167,32 @@ def resume_as_it_was(command, output_dir, latest, reference, *, processes, threa
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, reference):
+def test_sigterm_saves_and_resume_latest_matches_an_uninterrupted_run(tmp_path, digits_reference):
     """One process; on 2, the test below stops the run, and continues a copy of it on 2 processes as this does."""
     output_dir = tmp_path / "run"
-    command = [*DIGITS, "--output_dir", output_dir]
+    command = [*DIGITS_RUN, "--output_dir", output_dir]
     latest = stop_inside_an_epoch([MNIST, *command], output_dir=output_dir, processes=1, log=tmp_path / "log")
-    resume_as_it_was(command, output_dir, latest, reference(1), processes=1)
+    resume_as_it_was(command, output_dir, latest, digits_reference(1), processes=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the_uninterrupted_run(
-        tmp_path, reference, first, then):
+        tmp_path, digits_reference, first, then):
     """A run is its seed and global batch: 2 x 1 (processes x accumulation steps) stopped by SIGTERM inside an epoch
     and continued as 1 x 2, or started as 1 x 2 and continued on 2 processes, ends as the uninterrupted 2 x 1 run.
     In fp32 on every CPU: under bf16 autocast the evaluation rounds the weights' last-digit differences across
     counts to bf16, and which of them cross a rounding step is luck (val_loss 1e-4 apart in epoch 2 on a CPU with
     bf16 instructions once the optimizer became the fused one; within 6e-7 in fp32)."""
     output_dir = tmp_path / "run"
-    options = [*DIGITS, *FP32, *(["--grad_accum", 2] if first == 1 else [])]
+    options = [*DIGITS_RUN, *FP32, *(["--grad_accum", 2] if first == 1 else [])]
     command = [*options, "--output_dir", output_dir]
     latest = stop_inside_an_epoch([MNIST, *command], output_dir=output_dir, processes=first, log=tmp_path / "log",
                                   env=ONE_THREAD)
     if first == 2:  # a copy continued on the same 2 processes: the same run, to the last digit
         same = shutil.copytree(output_dir, tmp_path / "same")
-        resume_as_it_was([*options, "--output_dir", same], same, latest, reference(2, *FP32), processes=2, threads=1)
+        resume_as_it_was([*options, "--output_dir", same], same, latest, digits_reference(2, *FP32), processes=2,
+                         threads=1)
 
     resumed = train(*command, "--resume", "latest", processes=then, threads=1)  # the same command
     assert resumed.returncode == 0, resumed.output
@@ -223,17 +200,17 @@ def test_a_run_stopped_inside_an_epoch_goes_on_with_another_process_count_as_the
     assert (f"was written by {first} process(es) x {2 // first} accumulation step(s), this launch has {then} x "
             f"{2 // then}: the same global batch and samples") in resumed.output
     assert f"global batch 32 = 16 per process x {then} processes x {2 // then} accumulation steps" in resumed.output
-    assert_same_run(output_dir, reference(2, *FP32), rel=ACROSS_COUNTS, per_process=False)
+    assert_same_run(output_dir, digits_reference(2, *FP32), rel=ACROSS_COUNTS, per_process=False)
     for record in metrics(output_dir):  # 1,347 images: 42 steps of 32, the 3 left over a different 3 each epoch
         assert record["train_samples"] == record["train_unique_samples"] == 42 * 32
         assert sum(record["train_samples_per_process"]) == 42 * 32
 
 
 @pytest.mark.slow
-def test_a_resume_with_another_thread_count_says_so_and_how_to_match(tmp_path, reference):
+def test_a_resume_with_another_thread_count_says_so_and_how_to_match(tmp_path, digits_reference):
     """A 2-process launch computes with 1 thread per process; continued as a plain python process on several cores,
     the run's sums split otherwise (docs/checkpoints.md: a bias before a BatchNorm moves most): the resume says so."""
-    run = shutil.copytree(reference(2), tmp_path / "run")
+    run = shutil.copytree(digits_reference(2), tmp_path / "run")
     checkpoint = sorted((run / "checkpoints").glob("epoch_004_batch_*"))[-1]  # a few steps from the end
     assert json.loads((checkpoint / "trainer_state.json").read_text())["threads_per_process"] == 1
     threads = torch.get_num_threads()
@@ -263,32 +240,32 @@ def test_a_process_count_that_cannot_keep_the_global_batch_is_refused_naming_tho
 
 
 @pytest.mark.slow
-def test_resume_from_an_older_checkpoint_with_no_other_flags_matches(tmp_path, reference):
+def test_resume_from_an_older_checkpoint_with_no_other_flags_matches(tmp_path, digits_reference):
     output_dir = tmp_path / "run"
-    shutil.copytree(reference(1), output_dir)
+    shutil.copytree(digits_reference(1), output_dir)
     older = sorted((output_dir / "checkpoints").glob("epoch_002_batch_*"))[0]
     # no --dataset/--epochs/--batch_size: they come from the checkpoint
     result = train("--output_dir", output_dir, "--resume", older)
     assert result.returncode == 0, result.output
     assert f"resumed from {older}: epoch 2, batch {int(older.name[-6:])}" in result.output
-    later = sorted(p.name for p in (reference(1) / "checkpoints").glob("epoch_*") if p.name > older.name)
+    later = sorted(p.name for p in (digits_reference(1) / "checkpoints").glob("epoch_*") if p.name > older.name)
     assert (f"going back to {older.name}: the {len(later)} later checkpoint(s) ({later[0]} to {later[-1]}) and "
             f"metrics.jsonl as it was are in {output_dir / 'previous_run'} until this run's first checkpoint, which "
             "deletes them") in result.output
     assert not list((output_dir / "checkpoints").glob("epoch_003_batch_*"))  # the old future is gone
     assert not (output_dir / "previous_run").exists()  # deleted at the first checkpoint
-    assert_same_run(output_dir, reference(1))
+    assert_same_run(output_dir, digits_reference(1))
 
 
 @pytest.mark.slow
-def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_first_new_one(tmp_path, reference,
+def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_first_new_one(tmp_path, digits_reference,
                                                                                              monkeypatch):
     """Until the resumed run's first checkpoint a mistaken --resume has lost nothing: what it would drop is in
     previous_run/, whole (a stop before then leaves it there; the next checkpoint deletes it, test above). A kill
     among the moves leaves `latest` at the checkpoint gone back to, and going back again moves the rest."""
     import common.checkpoint
 
-    output_dir = shutil.copytree(reference(1), tmp_path / "run")
+    output_dir = shutil.copytree(digits_reference(1), tmp_path / "run")
     names = sorted(p.name for p in (output_dir / "checkpoints").glob("epoch_*"))
     metrics = (output_dir / "metrics.jsonl").read_bytes()
     def contents(folder):
@@ -320,11 +297,11 @@ def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_f
 
 
 @pytest.mark.slow
-def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path, reference):
+def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path, digits_reference):
     output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     for _ in range(5):
         shutil.rmtree(output_dir, ignore_errors=True)
-        process = start(*DIGITS, "--output_dir", output_dir, "--checkpoint_every", 1, processes=2, log=tmp_path / "log")
+        process = start(*DIGITS_RUN, "--output_dir", output_dir, "--checkpoint_every", 1, processes=2, log=tmp_path / "log")
         wait_for(lambda: (checkpoints / "latest").exists() and list(checkpoints.glob(".tmp-*")), process)
         kill_everything(process)  # launcher and both workers, no chance to clean up
         if list(checkpoints.glob(".tmp-*")):  # the kill landed before the save was published
@@ -334,14 +311,14 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path
     latest = checkpoints / (checkpoints / "latest").read_text().strip()
     assert json.loads((latest / "trainer_state.json").read_text())["step"] >= 1
 
-    resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "latest", processes=2)
+    resumed = train(*DIGITS_RUN, "--output_dir", output_dir, "--resume", "latest", processes=2)
     assert resumed.returncode == 0, resumed.output
     assert not list(checkpoints.glob(".tmp-*"))
-    assert_same_run(output_dir, reference(2))
+    assert_same_run(output_dir, digits_reference(2))
 
 
 @pytest.mark.slow
-def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_again(tmp_path, reference):
+def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_again(tmp_path, digits_reference):
     """metrics.jsonl and best/ come before the first checkpoint is published: a kill in between leaves a run's
     outputs and no checkpoint (best/ too, unless the kill came while its thread was writing it). The plain command
     and --resume latest say so; --resume auto (a restart, a requeued job) sets them aside and trains the run again,
@@ -349,7 +326,7 @@ def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_aga
     output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     for _ in range(5):
         shutil.rmtree(output_dir, ignore_errors=True)
-        process = start(*DIGITS, "--output_dir", output_dir, processes=2, log=tmp_path / "log")
+        process = start(*DIGITS_RUN, "--output_dir", output_dir, processes=2, log=tmp_path / "log")
         wait_for(lambda: (checkpoints / ".tmp-epoch_001_end").exists() or (checkpoints / "latest").exists(), process)
         kill_everything(process)  # launcher and both workers, no chance to clean up
         if not (checkpoints / "latest").exists():  # the kill landed before the first save was published
@@ -360,8 +337,8 @@ def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_aga
     assert left.startswith("metrics.jsonl")
     assert "pid=" in (output_dir / ".lock").read_text()  # the killed run's lock, left behind
 
-    plain = train(*DIGITS, "--output_dir", output_dir, processes=1)
-    latest = train(*DIGITS, "--output_dir", output_dir, "--resume", "latest", processes=1)
+    plain = train(*DIGITS_RUN, "--output_dir", output_dir, processes=1)
+    latest = train(*DIGITS_RUN, "--output_dir", output_dir, "--resume", "latest", processes=1)
     for refused_run in (plain, latest):
         assert refused_run.returncode == 2, refused_run.output
         assert f"{output_dir} holds the outputs of a run that never reached its first checkpoint ({left})" \
@@ -369,22 +346,22 @@ def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_aga
     assert "Pass --overwrite (or --resume auto) to start it again" in plain.output
     assert "Start it again with --resume auto or --overwrite." in latest.output
 
-    resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "auto", processes=2)
+    resumed = train(*DIGITS_RUN, "--output_dir", output_dir, "--resume", "auto", processes=2)
     assert resumed.returncode == 0, resumed.output
     assert f"the earlier run's outputs ({left}) are in {output_dir / 'previous_run'}" in resumed.output
     assert not (output_dir / "previous_run").exists() and not list(output_dir.glob(".*tmp*"))
     assert not list(checkpoints.glob(".tmp-*"))
-    assert_same_run(output_dir, reference(2))
+    assert_same_run(output_dir, digits_reference(2))
 
 
 @pytest.mark.slow
-def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_the_run_continues(tmp_path, reference):
+def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_the_run_continues(tmp_path, digits_reference):
     """The disk fills up after the first checkpoint: whichever write fails (a checkpoint through PyTorch's own
     writer, best/ through safetensors, metrics.jsonl) is named with the reason and the last complete checkpoint,
     nothing half-written stays, and with space again --resume auto ends as the uninterrupted run."""
     with small_disk(tmp_path / "disk") as disk:
         output_dir, log = disk / "run", tmp_path / "log"
-        process = start(*DIGITS, "--output_dir", output_dir, processes=1, log=log)
+        process = start(*DIGITS_RUN, "--output_dir", output_dir, processes=1, log=log)
         wait_for(lambda: (output_dir / "checkpoints" / "latest").exists(), process)
         filler = fill(disk)
         assert process.wait(timeout=120) == 2, log.read_text()
@@ -400,19 +377,19 @@ def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_
         assert read_metrics(output_dir)  # every line whole
 
         filler.unlink()
-        resumed = train(*DIGITS, "--output_dir", output_dir, "--resume", "auto")
+        resumed = train(*DIGITS_RUN, "--output_dir", output_dir, "--resume", "auto")
         assert resumed.returncode == 0, resumed.output
         assert f"resumed from {latest}" in resumed.output
-        assert_same_run(output_dir, reference(1))
+        assert_same_run(output_dir, digits_reference(1))
 
 
 @pytest.mark.slow
-def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_uninterrupted_one(tmp_path, reference):
+def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_uninterrupted_one(tmp_path, digits_reference):
     """`accelerate launch --max_restarts 1` + `--resume auto`: a SIGKILLed process after the first checkpoint;
     the launcher starts both processes again, they continue from the last checkpoint, and the launch exits 0
     with the weights, optimizer state, metrics.jsonl and best/ of the run that was never interrupted."""
     output_dir = tmp_path / "run"
-    launcher = spawn(launch_command("--max_restarts", 1, MNIST, *DIGITS, "--output_dir", output_dir,
+    launcher = spawn(launch_command("--max_restarts", 1, MNIST, *DIGITS_RUN, "--output_dir", output_dir,
                                     "--checkpoint_every", 10, "--keep_checkpoints", 100, "--resume", "auto"),
                      log=tmp_path / "log")
     try:
@@ -427,15 +404,15 @@ def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_un
                       r"restart 1 of at most 1 \(--max_restarts\) after a process ended: the steps after step "
                       r"(\d+) are trained again", output)
     assert found and found.group(2) == found.group(3), output
-    assert_same_run(output_dir, reference(2))
+    assert_same_run(output_dir, digits_reference(2))
     # each epoch's line once, in order: the restart did not repeat the epochs before its checkpoint
     assert re.findall(r"^epoch (\d)/4 ", output, re.MULTILINE) == ["1", "2", "3", "4"], output
 
 
 @pytest.mark.slow
-def test_resume_refusals_name_the_problem(tmp_path, reference):
+def test_resume_refusals_name_the_problem(tmp_path, digits_reference):
     finished = tmp_path / "finished"
-    shutil.copytree(reference(1), finished)
+    shutil.copytree(digits_reference(1), finished)
     cases = [
         (["--output_dir", finished, "--resume", "latest"], "is the end of a finished run (epoch 4 of 4 done)"),
         (["--output_dir", finished, "--resume", "latest", "--lr", 0.5],
@@ -446,7 +423,7 @@ def test_resume_refusals_name_the_problem(tmp_path, reference):
         (["--output_dir", tmp_path / "empty", "--resume", "latest"], "--resume latest: no checkpoint in"),
         (["--output_dir", finished, "--resume", "latest", "--overwrite"], "pass one of them"),
         # --resume auto continues only the run of this very command
-        ([*DIGITS, "--output_dir", finished, "--resume", "auto", "--lr", 0.5, "--epochs", 5],
+        ([*DIGITS_RUN, "--output_dir", finished, "--resume", "auto", "--lr", 0.5, "--epochs", 5],
          f"--resume auto: {finished} holds another run (--epochs 4 there, 5 here; --lr unset there, 0.5 here). "
          "Continue that run with --resume latest"),
         (["--output_dir", finished, "--resume", "auto"], "holds another run (--dataset digits there, mnist here;"),
@@ -475,17 +452,17 @@ def test_resume_refusals_name_the_problem(tmp_path, reference):
                "from OUTPUT_DIR/checkpoints/.")]
     for args, message in cases:
         assert message in refused(MNIST.name, *args)
-    assert metrics(finished) == metrics(reference(1))  # nothing of the run was touched
+    assert metrics(finished) == metrics(digits_reference(1))  # nothing of the run was touched
 
 
 @pytest.mark.slow
-def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_nothing_to_do(tmp_path, reference,
+def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_nothing_to_do(tmp_path, digits_reference,
                                                                                          monkeypatch):
     """A requeued job or a restart that finds the run finished ends with exit 0 (`auto`); `latest` refuses. The
     2-process run's 168 steps are not the 336 of one (--grad_accum 1 on both): finished is counted in epochs."""
     finished = tmp_path / "finished"
-    shutil.copytree(reference(2), finished)
-    done = run_script("train_mnist.py", *DIGITS, "--output_dir", finished, "--resume", "auto")
+    shutil.copytree(digits_reference(2), finished)
+    done = run_script("train_mnist.py", *DIGITS_RUN, "--output_dir", finished, "--resume", "auto")
     assert done.returncode == 0
     assert done.stdout == (f"--resume auto: the run in {finished} is finished (epoch 4 of 4 done): nothing to do. Its "
                            f"best model is in {finished / 'best'}\n")
@@ -493,23 +470,23 @@ def test_a_finished_run_is_finished_on_any_process_count_and_auto_ends_with_noth
         MNIST.name, "--output_dir", finished, "--resume", "latest")
     # a count that could not go on with its global batch of 2 x 1 micro-batches: finished all the same
     monkeypatch.setenv("WORLD_SIZE", "3")
-    done = run_script("train_mnist.py", *DIGITS, "--output_dir", finished, "--resume", "auto")
+    done = run_script("train_mnist.py", *DIGITS_RUN, "--output_dir", finished, "--resume", "auto")
     assert done.returncode == 0 and "is finished (epoch 4 of 4 done): nothing to do" in done.stdout
-    assert metrics(finished) == metrics(reference(2))
+    assert metrics(finished) == metrics(digits_reference(2))
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, reference):
+def test_a_damaged_checkpoint_file_is_named_and_never_used(tmp_path, digits_reference):
     """Accelerate loads a random_states_0.pkl cut in half without a word (the resumed run then differs); the
     sizes and checksums in trainer_state.json name it, and no other checkpoint is taken in its place."""
     run = tmp_path / "run"
-    shutil.copytree(reference(1), run)
+    shutil.copytree(digits_reference(1), run)
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     states = latest / "random_states_0.pkl"
     size = states.stat().st_size
     states.write_bytes(states.read_bytes()[:size // 2])
     for resume in ("latest", "auto"):
-        message = refused(MNIST.name, *DIGITS, "--output_dir", run, "--resume", resume)
+        message = refused(MNIST.name, *DIGITS_RUN, "--output_dir", run, "--resume", resume)
         assert (f"checkpoint {latest} is damaged: {states} holds {size // 2} bytes, {size} when it was saved. It was "
                 "not used. Resume from another checkpoint (--resume ") in message, message
     weights = run / "checkpoints" / "epoch_002_end" / "model.safetensors"

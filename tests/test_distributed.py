@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from common.mnist import build_digits
-from conftest import (CPU_CONFIG, REPO, TIMES, all_gone, assert_each_test_sample_counted_once,
-                      assert_two_processes_shared_the_data, descendants, kill_everything, launch_command, launch_warm,
-                      read_run, run_command, spawn, wait_for, same_value, script, worker_pid)
+from conftest import (CPU_CONFIG, DIGITS_RUN, REPO, TIMES, all_gone, assert_each_test_sample_counted_once,
+                      assert_two_processes_shared_the_data, descendants, kill_everything, launch_command, read_run,
+                      run_command, spawn, wait_for, same_value, script, worker_pid)
 
 pytestmark = pytest.mark.slow
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -95,13 +95,12 @@ def network():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_as_an_uninterrupted_one(
+        tmp_path, digits_reference):
     """Two machines with --max_restarts 1: SIGKILL machine 1's process after the first checkpoint. Each
     machine's launcher starts its process again, they meet again through the same rendezvous, continue from
     the checkpoint and end as a 2-process run that was never interrupted."""
-    args = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16, "--checkpoint_every", 10]
-    reference = launch_warm(MNIST, *args, "--output_dir", tmp_path / "reference")
-    assert reference.returncode == 0, reference.output
+    args, reference = [*DIGITS_RUN, "--checkpoint_every", 10], digits_reference(2)
     output_dir = tmp_path / "run"
 
     def kill_after_the_first_checkpoint(launchers):
@@ -119,12 +118,11 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     for output in (out0, out1):  # both launchers restarted their process, once
         assert output.count("restart 1 of at most 1 (--max_restarts) after a process ended") == 1, output
     ours, theirs = ([{k: v for k, v in record.items() if k not in TIMES} for record in read_run(run)[0]]
-                    for run in (output_dir, tmp_path / "reference"))
+                    for run in (output_dir, reference))
     assert [record["epoch"] for record in ours] == [1, 2, 3, 4]
     assert all(a.keys() == b.keys() and all(same_value(a[k], b[k], 1e-6) for k in a)
                for a, b in zip(ours, theirs)), (ours, theirs)
-    weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors")
-               for run in (output_dir, tmp_path / "reference")]
+    weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors") for run in (output_dir, reference)]
     assert all(torch.allclose(weights[0][k].float(), weights[1][k].float(), atol=1e-6) for k in weights[1])
 
 
