@@ -470,15 +470,17 @@ def test_a_hung_process_ends_the_launch_after_dist_timeout(tmp_path):
                      r"hung longer than --dist_timeout", output), output
 
 
-def test_a_lost_peer_is_said_in_one_line_whichever_collective_noticed_it(tmp_path):
+def test_a_lost_peer_is_said_in_one_line_whichever_collective_noticed_it(tmp_path, warm_children):
     """gloo words a lost or silent peer differently in each collective; each is one line, not a traceback. A
     DataLoader's timeout is its own line (common.folders.LOADER_TIMEOUT_S), not a lost peer; a timeout of neither
-    stays a traceback."""
-    program = (f"import sys, torch; sys.path.insert(0, {str(REPO)!r}); from common.errors import run_main\n"
-               f"torch.distributed.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
-               "world_size=1)\n"
-               "def main(args): raise RuntimeError(sys.argv[1])\n"
-               "run_main(main, None)\n")
+    stays a traceback. Each in a process of its own, forked warm (the way the process ends is the point, not its
+    start)."""
+    program = tmp_path / "fails.py"
+    program.write_text(f"import sys, torch; sys.path.insert(0, {str(REPO)!r}); from common.errors import run_main\n"
+                       f"torch.distributed.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
+                       "world_size=1)\n"
+                       "def main(args): raise RuntimeError(sys.argv[1])\n"
+                       "run_main(main, None)\n")
     lost = "error: lost the other processes"
     for message, line in [("Application timeout caused pair closure", lost),  # DDP's buffer broadcast
                           ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242", lost),
@@ -486,7 +488,7 @@ def test_a_lost_peer_is_said_in_one_line_whichever_collective_noticed_it(tmp_pat
                                                                     "5 s: it is stuck, or the batch was lost"),
                           ("Timed out waiting for the model's files", None)]:
         (tmp_path / "store").unlink(missing_ok=True)
-        result = run_command([sys.executable, "-c", program, message])
+        result = run_command([sys.executable, program, message])
         assert result.returncode == 1, result.output
         assert (lost in result.output) == (line == lost), result.output
         assert ("Traceback" in result.output) == (line is None) and (line is None or line in result.output), \

@@ -253,6 +253,9 @@ def _run_main(target, args, *, module=False):
             runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:
         code = stop.code
+    except BaseException:  # as the interpreter ends on an uncaught exception: its traceback, exit code 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
     finally:
         atexit._run_exitfuncs()  # the script's, as the interpreter's exit runs them (multiprocessing's does not)
     sys.exit(code)
