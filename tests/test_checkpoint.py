@@ -298,16 +298,23 @@ def test_going_back_to_an_older_checkpoint_sets_the_later_ones_aside_until_the_f
 
 @pytest.mark.slow
 def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path, digits_reference):
+    """A checkpoint each step: the processes are held still (SIGSTOP) as soon as one is being written, until they
+    are held in the middle of a write (not after its publication), then killed with no chance to clean up."""
     output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    for _ in range(5):
-        shutil.rmtree(output_dir, ignore_errors=True)
-        process = start(*DIGITS_RUN, "--output_dir", output_dir, "--checkpoint_every", 1, processes=2, log=tmp_path / "log")
-        wait_for(lambda: (checkpoints / "latest").exists() and list(checkpoints.glob(".tmp-*")), process)
-        kill_everything(process)  # launcher and both workers, no chance to clean up
-        if list(checkpoints.glob(".tmp-*")):  # the kill landed before the save was published
-            break
-    else:
-        pytest.fail("the kill never landed during a checkpoint write")
+    process = start(*DIGITS_RUN, "--output_dir", output_dir, "--checkpoint_every", 1, processes=2, log=tmp_path / "log")
+    try:
+        while True:
+            wait_for(lambda: (checkpoints / "latest").exists() and list(checkpoints.glob(".tmp-*")), process)
+            workers = [worker_pid(process.pid, rank=rank) for rank in (0, 1)]
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            if list(checkpoints.glob(".tmp-*")):  # held before the save was published
+                break
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+    finally:
+        kill_everything(process)  # launcher and both workers
+    assert list(checkpoints.glob(".tmp-*"))
     latest = checkpoints / (checkpoints / "latest").read_text().strip()
     assert json.loads((latest / "trainer_state.json").read_text())["step"] >= 1
 
@@ -324,12 +331,17 @@ def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_aga
     and --resume latest say so; --resume auto (a restart, a requeued job) sets them aside and trains the run again,
     to the weights of the run that was never stopped."""
     output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    for _ in range(5):
+    for _ in range(5):  # the one chance a run has: held still (SIGSTOP) once its first save is being written
         shutil.rmtree(output_dir, ignore_errors=True)
         process = start(*DIGITS_RUN, "--output_dir", output_dir, processes=2, log=tmp_path / "log")
-        wait_for(lambda: (checkpoints / ".tmp-epoch_001_end").exists() or (checkpoints / "latest").exists(), process)
-        kill_everything(process)  # launcher and both workers, no chance to clean up
-        if not (checkpoints / "latest").exists():  # the kill landed before the first save was published
+        try:
+            wait_for(lambda: (checkpoints / ".tmp-epoch_001_end").exists() or (checkpoints / "latest").exists(),
+                     process)
+            for rank in (0, 1):
+                os.kill(worker_pid(process.pid, rank=rank), signal.SIGSTOP)
+        finally:
+            kill_everything(process)  # launcher and both workers, no chance to clean up
+        if not (checkpoints / "latest").exists():  # held before the first save was published
             break
     else:
         pytest.fail("the kill never landed during the first checkpoint write")
