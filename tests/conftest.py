@@ -90,6 +90,11 @@ def launch_command(*args, processes=2, config=CPU_CONFIG):
             *(["--num_processes", str(processes)] if processes else []), *map(str, args)]
 
 
+def process_command(*command, processes):
+    """`command` (a script and its arguments) launched on `processes` (launch_command), or `python SCRIPT ...` on 1."""
+    return launch_command(*command, processes=processes) if processes > 1 else [sys.executable, *command]
+
+
 def launch(*args, processes=2, cwd=None, env=None, timeout=600):
     """A real multi-process launch on CPU, captured."""
     return run_command(launch_command(*args, processes=processes), cwd=cwd, env=env, timeout=timeout)
@@ -272,7 +277,7 @@ def stop_inside_an_epoch(command, *, output_dir, log, processes=2, env=None):
     """Start `command` (a script, its arguments with --epochs and --checkpoint_every 1: a SIGTERM is obeyed at the next
     step) on `processes` in the background, and send SIGTERM once epoch 1 is saved (to the launcher, with 2: torchrun
     passes it on). It saves inside a later epoch and says so: the name of that checkpoint."""
-    command = launch_command(*command, processes=processes) if processes > 1 else [sys.executable, *command]
+    command = process_command(*command, processes=processes)
     process = spawn(command, log=log, env=env)
     wait_for(lambda: (output_dir / "checkpoints" / "epoch_001_end").exists(), process)
     process.send_signal(signal.SIGTERM)
@@ -352,7 +357,8 @@ def digits_run(tmp_path_factory):
     return output_dir
 
 
-DIGITS_RUN = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]  # the resume tests' run: 42 steps an epoch
+# the resume tests' run: 42 steps an epoch on 2 processes, 84 on 1, long enough to stop a run in the middle of one
+DIGITS_RUN = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
 FP32 = ["--mixed_precision", "no"]  # where runs on other process counts are compared (tests/test_checkpoint.py)
 
 
@@ -370,7 +376,8 @@ def digits_reference(tmp_path_factory):
             flags = ()
         if (processes, *flags) not in runs:
             output_dir = tmp_path_factory.mktemp(f"reference{processes}") / "run"
-            args = [*DIGITS_RUN, *flags, "--output_dir", output_dir, "--checkpoint_every", 10, "--keep_checkpoints", 100]
+            args = [*DIGITS_RUN, *flags, "--output_dir", output_dir, "--checkpoint_every", 10, "--keep_checkpoints",
+                    100]
             result = (launch_warm(REPO / "scripts" / "train_mnist.py", *args, processes=processes) if processes > 1
                       else script("train_mnist.py", *args))
             assert result.returncode == 0, result.output

@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,13 @@ from common.run import checkpoint_name
 from common.errors import UserError
 from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
-from conftest import (ACROSS_COUNTS, DIGITS_RUN, FP32, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill, kill_everything,
-                      launch_command, launch_warm, load_script, small_disk, spawn, stop_inside_an_epoch, wait_for,
-                      worker_pid)
+from conftest import (ACROSS_COUNTS, DIGITS_RUN, FP32, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill,
+                      kill_everything, launch_command, launch_warm, load_script, process_command, small_disk, spawn,
+                      stop_inside_an_epoch, wait_for, worker_pid)
 from conftest import refused, script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
 CIFAR = REPO / "scripts" / "train_cifar.py"
-# 42 steps per epoch on 2 processes, 84 on 1: long enough to stop a run in the middle of it
-
-
-def train_command(*args, processes, script=MNIST):
-    return launch_command(script, *args, processes=processes) if processes > 1 else [sys.executable, script, *args]
 
 
 def train(*args, processes=1, script=MNIST, threads=None):
@@ -40,7 +34,7 @@ def train(*args, processes=1, script=MNIST, threads=None):
 
 def start(*args, processes, log, env=None):
     """A training run in the background (its own process group), output to `log`."""
-    return spawn(train_command(*args, processes=processes), log=log, env=env)
+    return spawn(process_command(MNIST, *args, processes=processes), log=log, env=env)
 
 
 def metrics(output_dir):
@@ -367,7 +361,8 @@ def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_aga
 
 
 @pytest.mark.slow
-def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_the_run_continues(tmp_path, digits_reference):
+def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_the_run_continues(
+        tmp_path, digits_reference):
     """The disk fills up after the first checkpoint: whichever write fails (a checkpoint through PyTorch's own
     writer, best/ through safetensors, metrics.jsonl) is named with the reason and the last complete checkpoint,
     nothing half-written stays, and with space again --resume auto ends as the uninterrupted run."""
@@ -396,7 +391,8 @@ def test_a_full_disk_is_one_message_naming_the_file_and_the_last_checkpoint_and_
 
 
 @pytest.mark.slow
-def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_uninterrupted_one(tmp_path, digits_reference):
+def test_a_killed_process_is_restarted_by_the_launcher_and_the_run_ends_as_an_uninterrupted_one(
+        tmp_path, digits_reference):
     """`accelerate launch --max_restarts 1` + `--resume auto`: a SIGKILLed process after the first checkpoint;
     the launcher starts both processes again, they continue from the last checkpoint, and the launch exits 0
     with the weights, optimizer state, metrics.jsonl and best/ of the run that was never interrupted."""

@@ -122,7 +122,8 @@ def test_a_process_killed_on_one_machine_is_restarted_on_both_and_the_run_ends_a
     assert [record["epoch"] for record in ours] == [1, 2, 3, 4]
     assert all(a.keys() == b.keys() and all(same_value(a[k], b[k], 1e-6) for k in a)
                for a, b in zip(ours, theirs)), (ours, theirs)
-    weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors") for run in (output_dir, reference)]
+    weights = [load_file(run / "checkpoints" / "epoch_004_end" / "model.safetensors")
+               for run in (output_dir, reference)]
     assert all(torch.allclose(weights[0][k].float(), weights[1][k].float(), atol=1e-6) for k in weights[1])
 
 
