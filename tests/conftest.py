@@ -242,6 +242,21 @@ def worker_pid(launcher_pid, rank):
     raise AssertionError(f"no process of rank {rank} under {launcher_pid}")
 
 
+def worker_pids(process, processes=2):
+    """The training processes of launch `process`, rank by rank, once all have started: found before the moment a
+    test waits for, so that it acts on them at once (a first checkpoint's write lasts milliseconds)."""
+    found = {}
+
+    def started():
+        for rank in set(range(processes)) - set(found):
+            with contextlib.suppress(AssertionError):
+                found[rank] = worker_pid(process.pid, rank=rank)
+        return len(found) == processes
+
+    wait_for(started, process)
+    return [found[rank] for rank in range(processes)]
+
+
 def kill_everything(process, *strays):
     """SIGKILL a run: the launcher, all its workers, and `strays` (pids that may have left the tree); returns once
     they are gone (a process SIGKILLed while it writes takes a moment to end, and until then holds its run folder)."""

@@ -18,7 +18,7 @@ from common.checkpoint import restore_args, set_aside_later_checkpoints
 from common.reporting import read_metrics
 from conftest import (ACROSS_COUNTS, DIGITS_RUN, FP32, ONE_THREAD, REPO, TIMES, assert_same_outcome, fill,
                       kill_everything, launch_command, launch_warm, load_script, process_command, small_disk, spawn,
-                      stop_inside_an_epoch, wait_for, worker_pid)
+                      stop_inside_an_epoch, wait_for, worker_pid, worker_pids)
 from conftest import refused, script as run_script
 
 MNIST = REPO / "scripts" / "train_mnist.py"
@@ -297,9 +297,9 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write_then_resume_latest(tmp_path
     output_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     process = start(*DIGITS_RUN, "--output_dir", output_dir, "--checkpoint_every", 1, processes=2, log=tmp_path / "log")
     try:
+        workers = worker_pids(process)
         while True:
             wait_for(lambda: (checkpoints / "latest").exists() and list(checkpoints.glob(".tmp-*")), process)
-            workers = [worker_pid(process.pid, rank=rank) for rank in (0, 1)]
             for pid in workers:
                 os.kill(pid, signal.SIGSTOP)
             if list(checkpoints.glob(".tmp-*")):  # held before the save was published
@@ -329,10 +329,11 @@ def test_sigkill_during_the_first_checkpoint_then_resume_auto_starts_the_run_aga
         shutil.rmtree(output_dir, ignore_errors=True)
         process = start(*DIGITS_RUN, "--output_dir", output_dir, processes=2, log=tmp_path / "log")
         try:
+            workers = worker_pids(process)
             wait_for(lambda: (checkpoints / ".tmp-epoch_001_end").exists() or (checkpoints / "latest").exists(),
                      process)
-            for rank in (0, 1):
-                os.kill(worker_pid(process.pid, rank=rank), signal.SIGSTOP)
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
         finally:
             kill_everything(process)  # launcher and both workers, no chance to clean up
         if not (checkpoints / "latest").exists():  # held before the first save was published
