@@ -315,6 +315,20 @@ def call_main(main, args):
     """Call `main(args)`; a UserError becomes one `error: ...` line and exit code 2. A run stopped by SIGTERM exits
     with 143, so schedulers see that it did not finish; a collective that lost its peer is one line, exit code 1."""
     try:
+        return _call_main(main, args)
+    except Terminated:  # also when it came while another error was being handled: a launch stopped during the decode,
+        # where one process meets the cache file that the other one's SIGTERM has just removed, then its own SIGTERM
+        cause = signal.Signals(TERMINATED[-1] if TERMINATED else signal.SIGTERM)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            name = "SIGTERM (a preemption, a time limit, kill)" if cause == signal.SIGTERM else cause.name
+            print(f"stopped by {name}: nothing half-written was left; run the same command again"
+                  + ("." + STOP_HINTS[cause] if cause in STOP_HINTS else ""),
+                  file=sys.stderr, flush=True)
+        sys.exit(143)
+
+
+def _call_main(main, args):
+    try:
         check_hf_endpoint()
         return main(args)
     except UserError as error:
@@ -324,14 +338,6 @@ def call_main(main, args):
             print(done, flush=True)
         sys.exit(0)
     except Interrupted:
-        sys.exit(143)
-    except Terminated:
-        cause = signal.Signals(TERMINATED[-1] if TERMINATED else signal.SIGTERM)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            name = "SIGTERM (a preemption, a time limit, kill)" if cause == signal.SIGTERM else cause.name
-            print(f"stopped by {name}: nothing half-written was left; run the same command again"
-                  + ("." + STOP_HINTS[cause] if cause in STOP_HINTS else ""),
-                  file=sys.stderr, flush=True)
         sys.exit(143)
     except KeyboardInterrupt:
         # Under a launcher Ctrl-C stops the launcher itself, which passes it on to every process and ends with its
