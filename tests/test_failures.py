@@ -20,8 +20,9 @@ import pytest
 
 from common import errors
 from common.reporting import read_metrics
-from conftest import (LAUNCHER_SIGTERM_CODE, REPO, all_gone, descendants, fill, kill_everything, launch_command,
-                      process_state, refused, run_command, script, small_disk, spawn, wait_for, worker_pid)
+from conftest import (DIGITS_RUN, LAUNCHER_SIGTERM_CODE, REPO, all_gone, descendants, fill, kill_everything,
+                      launch_command, process_command, process_state, refused, run_command, script, small_disk, spawn,
+                      wait_for, worker_pid, worker_pids)
 
 SEEDLINGS = REPO / "scripts" / "train_seedlings.py"
 # a tiny seedlings run with one DataLoader worker per process (the files, not the decode cache, which needs none)
@@ -315,8 +316,7 @@ def test_ctrl_c_is_said_once_and_ends_every_process_of_the_run(tmp_path, seedlin
     for the launcher's failure table); now the first process of the machine says it, once."""
     output_dir = tmp_path / "run"
     args = ["--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS, "--epochs", 500]
-    command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
-                                                                                          *args]
+    command = process_command(SEEDLINGS, *args, processes=processes)
     log = tmp_path / "log"
     process = spawn(command, log=log)
     family = set()
@@ -373,8 +373,7 @@ def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path, see
 
     output_dir = tmp_path / "run"
     args = ["--data_dir", seedlings, "--output_dir", output_dir, *SMALL_SEEDLINGS, "--epochs", 500]
-    command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
-                                                                                          *args]
+    command = process_command(SEEDLINGS, *args, processes=processes)
     process, master, shown = start_on_a_terminal(command)
     family = set()
     try:
@@ -557,8 +556,7 @@ def test_sigterm_before_training_ends_the_run_through_its_cleanups(tmp_path, cif
         os.link(image, data / image.parent.name / f"{n}.jpg")
     args = ["--data_dir", data, "--output_dir", tmp_path / "new" / "run", "--model", "test_resnet", "--image_size",
             32, "--epochs", 1, "--mixup_alpha", 0, "--cutmix_alpha", 0]  # the decode cache on, as by default
-    command = launch_command(SEEDLINGS, *args, processes=processes) if processes > 1 else [sys.executable, SEEDLINGS,
-                                                                                          *args]
+    command = process_command(SEEDLINGS, *args, processes=processes)
     log, family = tmp_path / "log", set()
     process = spawn(command, log=log)
     try:
@@ -577,28 +575,27 @@ def test_sigterm_before_training_ends_the_run_through_its_cleanups(tmp_path, cif
 
 # ---- one run writes a run folder at a time ----
 
-DIGITS = ["--dataset", "digits", "--epochs", 4, "--batch_size", 16]
 MNIST = REPO / "scripts" / "train_mnist.py"
 
 
 @pytest.mark.slow
 def test_a_second_launch_on_a_folder_in_use_is_refused_naming_the_holder_and_the_first_run_goes_on(tmp_path):
     output_dir, log = tmp_path / "run", tmp_path / "first.log"
-    first = spawn(launch_command(MNIST, *DIGITS, "--output_dir", output_dir), log=log)
+    first = spawn(launch_command(MNIST, *DIGITS_RUN, "--output_dir", output_dir), log=log)
     try:
         wait_for(lambda: (output_dir / "checkpoints" / "latest").exists(), first)
-        holder = worker_pid(first.pid, rank=0)
-        workers = [holder, worker_pid(first.pid, rank=1)]
+        workers = worker_pids(first)
+        holder = workers[0]
         for pid in workers:  # held still, whatever this machine's speed: the second launch comes while it runs
             os.kill(pid, signal.SIGSTOP)
         held = (f"{output_dir} is being written by another run (process {holder} on {socket.gethostname()} holds "
                 f"{output_dir.resolve() / '.lock'})")
         try:  # the typo'd Slurm array: the same 2-process launch again
-            second = run_command(launch_command(MNIST, *DIGITS, "--output_dir", output_dir), timeout=120)
+            second = run_command(launch_command(MNIST, *DIGITS_RUN, "--output_dir", output_dir), timeout=120)
             assert second.returncode != 0 and held in second.output, second.output
             assert "Traceback" not in second.output.split("Root Cause")[1], second.output
             for extra in (["--resume", "auto"], ["--overwrite"]):  # enter pressed twice, or "start it over"
-                assert held in refused(MNIST.name, *DIGITS, "--output_dir", output_dir, *extra)
+                assert held in refused(MNIST.name, *DIGITS_RUN, "--output_dir", output_dir, *extra)
         finally:
             for pid in workers:
                 os.kill(pid, signal.SIGCONT)
