@@ -9,56 +9,71 @@ from accelerate.utils import broadcast
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import is_compiled
+from .flags import TTA
 from .mistakes import find_label_issues, write_mistakes_report
-from .reporting import confusion_matrix, write_predictions, write_reports
+from .reporting import confusion_matrix, tta_steps, write_predictions, write_reports
 
 
 def probabilities(model, images, *, tta="none"):
     """The model's class probabilities for a batch of transformed images (float32). `tta` (common.flags.TTA) "flip":
     averaged with the horizontal mirror's; "flip_translate": that, averaged with the flip-averaged views shifted one
     pixel up-left and one down-right (reflect padding), as the fast CIFAR-10 recipe's evaluation does."""
-    def flip_averaged(views):
-        return (model(views).float().softmax(1) + model(views.flip(3)).float().softmax(1)) / 2
+    return tta_probabilities(model, images, tta=tta)[tta]
 
+
+def tta_probabilities(model, images, *, tta="none"):
+    """{"none": the plain probabilities, then each step of `tta` (see `probabilities`): the probabilities with it},
+    in that order: each step averages the one before with new views, so an evaluation with TTA also learns, at no
+    cost, what each step bought."""
+    def flip_averaged(views, plain=None):
+        plain = model(views).float().softmax(1) if plain is None else plain
+        return (plain + model(views.flip(3)).float().softmax(1)) / 2
+
+    found = {"none": model(images).float().softmax(1)}
     if tta == "none":
-        return model(images).float().softmax(1)
-    probs = flip_averaged(images)
+        return found
+    found["flip"] = flip_averaged(images, found["none"])
     if tta == "flip_translate":
         height, width = images.shape[2:]
         padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
         # each view copied into the batch's layout: a compiled model is not compiled again for a view's strides
         views = (padded[:, :, :height, :width], padded[:, :, 2:, 2:])
         shifted = sum(flip_averaged(view.contiguous(memory_format=_layout(images))) for view in views) / 2
-        probs = (probs + shifted) / 2
-    return probs
+        found["flip_translate"] = (found["flip"] + shifted) / 2
+    return found
 
 
 @torch.inference_mode()
 def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
-    """Loss (plain cross entropy), accuracy, macro-F1, samples, the `tta` used (see `probabilities`), and the
-    predictions, probabilities, labels and indices (numpy) of every process's samples, each once, in index order.
+    """Loss (plain cross entropy), accuracy, macro-F1, samples, the `tta` used (see `probabilities`), the accuracy at
+    each step of it (`accuracy_by_tta`: {"none": without TTA, ...}), and the predictions, probabilities, labels and
+    indices (numpy) of every process's samples, each once, in index order.
     A compiled model (--compile) sees every batch at the first one's size: the last, smaller batch is filled up with
     copies of its last image, whose scores are dropped, so that Dynamo does not compile the model again for that
     size (in eval mode each image's scores are its own: BatchNorm uses its running statistics)."""
     model.eval()
     _as_on_the_main_process(model, accelerator)
     compiled, size = is_compiled(model), None
-    kept = [], [], [], []  # this process's indices, losses, probabilities, labels
+    kept = [], [], [], [], []  # this process's indices, losses, probabilities, labels, right at each TTA step
     for batch in eval_dataloader:
         images = transform(batch["image"])
         count, size = len(images), size or len(images)
         if compiled and count < size:
             filler = images[-1:].expand(size - count, *images.shape[1:])
             images = torch.cat([images, filler]).contiguous(memory_format=_layout(images))
-        probs = probabilities(model, images, tta=tta)[:count]
+        steps = tta_probabilities(model, images, tta=tta)
+        probs = steps[tta][:count]
         loss = F.nll_loss(probs.clamp_min(1e-12).log(), batch["label"], reduction="none")
-        for parts, tensor in zip(kept, (batch["index"], loss, probs, batch["label"])):
+        right = torch.stack([step[:count].argmax(1) == batch["label"] for step in steps.values()], 1)
+        for parts, tensor in zip(kept, (batch["index"], loss, probs, batch["label"], right)):
             parts.append(tensor.cpu())
-    indices, losses, all_probabilities, labels = gather_samples(accelerator, *map(torch.cat, kept))
+    indices, losses, all_probabilities, labels, right = gather_samples(accelerator, *map(torch.cat, kept))
     predictions = all_probabilities.argmax(1)
     return {"loss": losses.mean().item(), "accuracy": (predictions == labels).float().mean().item(),
             "macro_f1": macro_f1(labels, predictions, num_classes=all_probabilities.shape[1]),
-            "samples": len(labels), "tta": tta, "predictions": predictions.numpy(),
+            "samples": len(labels), "tta": tta,
+            "accuracy_by_tta": dict(zip(TTA, right.float().mean(0).tolist())),  # {"none": ..., up to `tta`}
+            "predictions": predictions.numpy(),
             "probabilities": all_probabilities.numpy(), "labels": labels.numpy(), "indices": indices.numpy()}
 
 
@@ -126,8 +141,10 @@ def report_evaluation(accelerator, evaluation, *, output_dir, dataset, about=Non
         write_mistakes_report(output_dir, evaluation=evaluation, dataset=dataset, about=about,
                               label_issues=label_issues)
         print(f"classification report, {name} ({evaluation['samples']} images):\n{report}")
-    accelerator.print(f"{name}: {evaluation['samples']} images, accuracy {100 * evaluation['accuracy']:.2f}%, "
-                      f"macro-F1 {evaluation['macro_f1']:.4f}; reports in {output_dir} (open report.html)")
+    steps = tta_steps(evaluation["tta"], evaluation["accuracy_by_tta"], plain="without TTA")
+    accelerator.print(f"{name}: {evaluation['samples']} images, accuracy {100 * evaluation['accuracy']:.2f}%"
+                      f"{f' ({steps})' if steps else ''}, macro-F1 {evaluation['macro_f1']:.4f}; reports in {output_dir} "
+                      "(open report.html)")
     accelerator.wait_for_everyone()
 
 

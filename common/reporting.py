@@ -20,9 +20,20 @@ def describe_launch(accelerator, *, batch_size, grad_accum):
             f"= {batch_size} per process x {accelerator.num_processes} processes x {grad_accum} accumulation steps")
 
 
-def describe_tta(tta):
-    """A --tta, in words: "flip + translate TTA" ("" for none)."""
-    return "" if tta == "none" else f"{tta.replace('_', ' + ')} TTA"
+def describe_tta(tta, accuracy_by_tta=None):
+    """A --tta, in words: "flip + translate TTA" ("" for none); with an evaluation's `accuracy_by_tta`, what each step
+    bought too: "flip + translate TTA; without it 96.44%, flip alone 92.22%"."""
+    if tta == "none":
+        return ""
+    steps = tta_steps(tta, accuracy_by_tta)
+    return f"{tta.replace('_', ' + ')} TTA" + (f"; {steps}" if steps else "")
+
+
+def tta_steps(tta, accuracy_by_tta, *, plain="without it"):
+    """The accuracy of each step of `tta` before the last, from an evaluation's `accuracy_by_tta`: "without it
+    96.44%, flip alone 92.22%" ("" without TTA)."""
+    return ", ".join(f"{plain if step == 'none' else step + ' alone'} {100 * accuracy:.2f}%"
+                     for step, accuracy in (accuracy_by_tta or {}).items() if step != tta)
 
 
 def log_epoch(accelerator, output_dir, record, *, epochs):
@@ -31,7 +42,7 @@ def log_epoch(accelerator, output_dir, record, *, epochs):
     accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=epoch)
     if accelerator.is_main_process:
         write_metrics(output_dir, [*read_metrics(output_dir), record])
-    tta = describe_tta(record.get("val_tta", "none"))
+    tta = describe_tta(record.get("val_tta", "none"), record.get("val_accuracy_by_tta"))
     tta = f", {tta}" if tta else ""
     ema = f"ema_val_accuracy {100 * record['ema_val_accuracy']:.2f}%  " if "ema_val_accuracy" in record else ""
     accelerator.print(

@@ -297,6 +297,8 @@ class TrainingRun:
                   **{f"val_{name}": evaluation[name] for name in ("loss", "accuracy", "macro_f1", "samples", "tta")},
                   "lr": self.lr_scheduler.get_last_lr()[0], "epoch_time_s": time.perf_counter() - self._started,
                   "since_launch_s": time.time() - launch_clock()[0]}  # the gaps between epochs: their saves
+        if evaluation["tta"] != "none":  # what each step of the TTA bought, from the same passes
+            record["val_accuracy_by_tta"] = evaluation["accuracy_by_tta"]
         if ema_evaluation:
             record.update({f"ema_val_{name}": ema_evaluation[name] for name in ("loss", "accuracy", "macro_f1")})
         log_epoch(self.accelerator, self.output_dir, record, epochs=self.num_epochs)
@@ -317,7 +319,8 @@ class TrainingRun:
             self.best_accuracy, self.best_epoch = evaluation["accuracy"], self.epoch
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
-                                  "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"]},
+                                  "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"],
+                                  "value_by_tta": evaluation["accuracy_by_tta"]},
                             later=True)
 
     @names_the_last_checkpoint

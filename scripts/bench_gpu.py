@@ -364,6 +364,7 @@ def ours_results(output_dir, log):
     wind_down_s, wind_down_split = said(log, WIND_DOWN)
     return {"epochs": len(metrics), "accuracy": metrics[-1]["val_accuracy"] if metrics else None,
             "tta": metrics[-1]["val_tta"] if metrics else None,
+            "accuracy_by_tta": metrics[-1].get("val_accuracy_by_tta") if metrics else None,  # the same model's
             "best_accuracy": max((r["val_accuracy"] for r in metrics), default=None),
             "images_per_s": round(statistics.median(rates)) if rates else None,
             "first_step_s": first_step_s, "startup": startup, **times,
@@ -517,9 +518,11 @@ def cifar_rows(stages, *, variant):
             wall = (f"{number_or_dash(stage.get('wall_s'))} (decode {number_or_dash(got.get('decode_s'))}, "
                     f"training {number_or_dash(got.get('train_s'))})" if got else number_or_dash(stage.get("wall_s")))
         else:
-            accuracy = (f"**{percent(got.get('accuracy'))}** ({got.get('tta', 'none').replace('_', ' + ')} TTA, "
-                        f"epoch {got.get('epochs')}; best {percent(got.get('best_accuracy'))})"
-                        if got.get("accuracy") is not None else "-")
+            steps = ", ".join(f"{percent(value)} {'plain' if step == 'none' else step.replace('_', ' + ')}"
+                              for step, value in (got.get("accuracy_by_tta") or {}).items() if step != got.get("tta"))
+            accuracy = (f"{steps + ', ' if steps else ''}**{percent(got.get('accuracy'))}** "
+                        f"{got.get('tta', 'none').replace('_', ' + ')} TTA (epoch {got.get('epochs')}; best "
+                        f"{percent(got.get('best_accuracy'))})" if got.get("accuracy") is not None else "-")
             wall = number_or_dash(stage.get("wall_s"))
         rows.append(f"| {what} | {accuracy} | {wall} | {number_or_dash(got.get('first_step_s'))} | "
                     f"{number_or_dash(got.get('images_per_s'), '{:,.0f}')} | {stage['status']} |")

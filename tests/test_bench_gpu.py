@@ -177,6 +177,8 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path, warm_children
     for name in ("ours_cold", "ours_warm", "ours_variant"):
         ours = stages[name]["results"]
         assert ours["epochs"] == 1 and ours["tta"] == "flip_translate" and 0 <= ours["accuracy"] <= 1
+        assert list(ours["accuracy_by_tta"]) == ["none", "flip", "flip_translate"]  # the table's plain and flip
+        assert ours["accuracy_by_tta"]["flip_translate"] == ours["accuracy"]
         assert 0 < ours["first_step_s"] < stages[name]["wall_s"] and ours["images_per_s"] > 0
         assert ours["train_s"] > 0 and ours["eval_s"] >= 0 and ours["between_epochs_s"] == 0  # one epoch: no gap
         assert ours["first_step_s"] <= ours["last_epoch_at_s"] < stages[name]["wall_s"]  # the same clock
@@ -198,6 +200,7 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path, warm_children
     assert peers["seeds"] == [42] and peers["ours_first_step_s"] > 0
     markdown = (out / "bench-gpu.md").read_text()
     for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start_seed_1`",
+                " plain, ", " flip, **", "** flip + translate TTA (epoch 1; best ",
                 "| reference", "| ours |", "| timm |", "| cv_example |", "- ours cold, ", "- ours variant, ",
                 "s to our last line (scoring after training",
                 *(f"| {name} | ok |" for name in STAGES)):

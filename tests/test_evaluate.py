@@ -4,6 +4,7 @@ import csv
 import json
 import re
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
@@ -229,14 +230,36 @@ def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path)
     result = script("train_mnist.py", "--dataset", "digits", "--epochs", 2, "--tta", "flip_translate",
                     "--mixed_precision", "no", "--output_dir", run)
     assert result.returncode == 0, result.output
-    assert re.search(r"epoch 2/2 .* val_accuracy [\d.]+% \(450 images, flip \+ translate TTA\)", result.output)
+    line = re.search(r"epoch 2/2 .* val_accuracy ([\d.]+)% \(450 images, flip \+ translate TTA; without it "
+                     r"([\d.]+)%, flip alone ([\d.]+)%\)", result.output)
+    assert line, result.output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["val_tta"] for m in metrics] == ["flip_translate"] * 2
     meta = json.loads((run / "best" / "meta.json").read_text())
     assert meta["tta"] == "flip_translate" and meta["args"]["tta"] == "flip_translate"
+    # each step's accuracy, from the same passes: what the same model scores with that TTA alone
+    from common.evaluation import evaluate
+    from common.models import load_best_model
+    from types import SimpleNamespace
+
+    model, _ = load_best_model(run / "best")
+    test_set = build_digits()[1]
+    batches = [{"image": test_set.images[i:i + 64], "label": test_set.labels[i:i + 64],
+                "index": torch.arange(len(test_set))[i:i + 64]} for i in range(0, len(test_set), 64)]
+    alone = {tta: evaluate(model, batches, SimpleNamespace(num_processes=1), tta=tta, transform=partial(
+        preprocess, normalize=(meta["mean"], meta["std"])))["accuracy"] for tta in ("none", "flip", "flip_translate")}
+    best = metrics[meta["epoch"] - 1]
+    by_tta = best["val_accuracy_by_tta"]
+    assert list(by_tta) == ["none", "flip", "flip_translate"] and by_tta == pytest.approx(alone, abs=1e-6)
+    assert by_tta["flip_translate"] == best["val_accuracy"] == meta["value"] and meta["value_by_tta"] == by_tta
+    assert [float(value) for value in line.groups()] == pytest.approx(
+        [100 * metrics[-1]["val_accuracy_by_tta"][step] for step in ("flip_translate", "none", "flip")],
+        abs=0.006), result.output
     again = script("evaluate.py", "--model_dir", run / "best", "--tta", "flip_translate", "--mixed_precision", "no",
                    "--output_dir", tmp_path / "evaluation")
-    assert again.returncode == 0 and f"accuracy {100 * meta['value']:.2f}%" in again.output, again.output
+    assert again.returncode == 0, again.output
+    assert (f"accuracy {100 * meta['value']:.2f}% (without TTA {100 * by_tta['none']:.2f}%, flip alone "
+            f"{100 * by_tta['flip']:.2f}%)") in again.output, again.output
     expected = rows(run / "best" / "val_predictions.csv")
     assert [r["prediction"] for r in rows(tmp_path / "evaluation" / "predictions.csv")] == [
         r["prediction"] for r in expected]
