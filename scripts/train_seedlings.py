@@ -262,17 +262,17 @@ def main(args):
             if accelerator.sync_gradients:  # one optimizer step, whatever --grad_accum
                 lr_scheduler.step()
                 run.merge_batchnorm()  # running statistics as if one process had trained the whole step
-                if ema:
+                if ema is not None:
                     ema.update(model, step=run.step)
             run.record(loss, batch)  # the epoch's totals
             if run.checkpoint_due():  # --checkpoint_every, or a SIGTERM; a nan/inf loss stops the run here
                 run.save_checkpoint()  # after a SIGTERM the run stops here, saved (exit 143)
         evaluation = evaluate(model, eval_dataloader, accelerator, transform=eval_transform, tta=args.tta)
         ema_evaluation = (evaluate(ema, eval_dataloader, accelerator, transform=eval_transform, tta=args.tta)
-                          if ema else None)
+                          if ema is not None else None)
         run.log_epoch(evaluation, ema_evaluation)
         run.save_best(model, evaluation)  # best/ when validation accuracy improved
-        if ema:
+        if ema is not None:
             run.save_best(ema.module, ema_evaluation, weights="ema")
         run.save_checkpoint()  # epoch_NNN_end (after a SIGTERM, the run stops here)
     # the training images scored by the final model, unaugmented and cropped as evaluation crops (the cache holds

@@ -537,8 +537,10 @@ def test_checkpoint_of_another_class_count_or_architecture_is_refused(tmp_path, 
 
 @pytest.mark.slow
 def test_compiled_channels_last_bf16_run_saves_plain_weights_and_resumes_compiled_or_not(tmp_path):
-    """--compile goes through Accelerate's dynamo plugin: best/ and checkpoints hold the plain model's names,
-    predict.py's loader reads them, and a resumed run may turn --compile on or off (a runtime flag).
+    """--compile goes through Accelerate's dynamo plugin: best/ and checkpoints hold the plain model's names (the
+    EMA's too: --ema_decay's average is prepared, so compiled, and once ended the run with a traceback at its first
+    `if ema:`, a compiled module having no truth value), predict.py's loader reads them, and a resumed run may turn
+    --compile on or off (a runtime flag).
     bf16 autocast (Accelerate's) runs on the CPU too, where it has bf16 instructions; on one without them, fp32
     (bf16 forced there converts every operation, its note in test_builders.py; under ATEN_CPU_CAPABILITY=avx2 on a
     CPU with them, Inductor's compiled bf16 kernels fail)."""
@@ -547,10 +549,12 @@ def test_compiled_channels_last_bf16_run_saves_plain_weights_and_resumes_compile
 
     output_dir, precision = tmp_path / "run", "bf16" if cpu_computes_bf16() else "no"
     flags = ["--dataset", "digits", "--epochs", 2, "--batch_size", 32, "--compile", "--channels_last",
-             "--mixed_precision", precision]
+             "--mixed_precision", precision, "--ema_decay", 0.9]  # the EMA prepared, so compiled too
     result = train(*flags, "--output_dir", output_dir, processes=2)
     assert result.returncode == 0, result.output
-    for name in ("best/model.safetensors", "checkpoints/epoch_002_end/model.safetensors"):
+    assert re.search(r"epoch 2/2 .* ema_val_accuracy [\d.]+%", result.output), result.output
+    for name in ("best/model.safetensors", "checkpoints/epoch_002_end/model.safetensors",
+                 "checkpoints/epoch_002_end/model_1.safetensors"):  # model_1: the EMA
         names = load_file(output_dir / name).keys()
         assert names and not [n for n in names if n.startswith("_orig_mod.")], name
     model, meta = load_best_model(output_dir / "best")
