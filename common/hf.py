@@ -75,8 +75,9 @@ def hf_options(args, data_dir=None, *, flag="--data_dir"):
     given += ["--streaming"] if getattr(args, "streaming", False) else []
     if given and not is_hf(data_dir):
         where = f"{flag} {data_dir}".strip() + " is a folder" if data_dir else f"no {flag} names one"
-        raise UserError(f"{' and '.join(given)} choose(s) what to read of a Hugging Face dataset, and {where}: "
-                        f"drop {given[0]}, or pass " + f"{flag} hf:NAME_OR_PATH".strip())
+        raise UserError(f"{' and '.join(given)} {'chooses' if len(given) == 1 else 'choose'} what to read of a "
+                        f"Hugging Face dataset, and {where}: drop {' and '.join(given)}, or pass "
+                        + f"{flag} hf:NAME_OR_PATH".strip())
     return options
 
 

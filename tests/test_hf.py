@@ -282,12 +282,16 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
     refused(f"hf:parquet:{tmp_path / 'none' / '*.parquet'}", r"cannot load hf:parquet:.*, read as parquet files "
                                                               r"matching '.*none/\*\.parquet': \S")
     # every script's flags are read through hf_options, which refuses them for a folder
-    with pytest.raises(UserError, match=r"--label_column choose\(s\) what to read of a Hugging Face dataset, "
+    with pytest.raises(UserError, match=r"--label_column chooses what to read of a Hugging Face dataset, "
                                         r"and --data_dir .* is a folder"):
         hf_options(SimpleNamespace(data_dir=seedlings, label_column="species", image_column=None))
-    with pytest.raises(UserError, match=r"--label_column choose\(s\) .*, and no --data_dir names one: drop "
+    with pytest.raises(UserError, match=r"--label_column chooses .*, and no --data_dir names one: drop "
                                         r"--label_column, or pass --data_dir hf:NAME_OR_PATH"):
         hf_options(SimpleNamespace(data_dir=None, label_column="species"))  # evaluate.py on the digits
+    with pytest.raises(UserError, match=r"^--label_column and --streaming choose what to read of a Hugging Face "
+                                        r"dataset, and --data_dir .* is a folder: drop --label_column and "
+                                        r"--streaming, or pass --data_dir hf:NAME_OR_PATH$"):
+        hf_options(SimpleNamespace(data_dir=seedlings, label_column="species", streaming=True))
 
     def saved_with(name, columns, features):
         path = tmp_path / name
