@@ -373,6 +373,12 @@ class TrainingRun:
             accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "
                               f"({evaluation['samples']} images; best/ holds epoch {self.best_epoch}, "
                               f"{self.best_accuracy:.2%}):\n{report}")
+            plain = evaluation["accuracy_by_tta"]["none"]
+            if plain > evaluation["accuracy"]:  # e.g. mirrored digits: another digit
+                accelerator.print(f"warning: --tta {evaluation['tta']} lowered this model's accuracy to "
+                                  f"{evaluation['accuracy']:.2%}, from {plain:.2%} without it: these images do not keep "
+                                  "their class mirrored or shifted. Run without --tta (best/ is chosen on the accuracy "
+                                  "with it); evaluate.py and predict.py score without it by default")
             label_issues = None if train_scores is None else find_label_issues(
                 train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
         accelerator.wait_for_everyone()  # the plots drawn: report.html embeds them

@@ -233,6 +233,8 @@ def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path)
     line = re.search(r"epoch 2/2 .* val_accuracy ([\d.]+)% \(450 images, flip \+ translate TTA; without it "
                      r"([\d.]+)%, flip alone ([\d.]+)%\)", result.output)
     assert line, result.output
+    # mirrored digits are other digits: the TTA lowers the accuracy, and the run says so once, at its end
+    assert result.output.count("warning: --tta flip_translate lowered this model's accuracy to") == 1, result.output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["val_tta"] for m in metrics] == ["flip_translate"] * 2
     meta = json.loads((run / "best" / "meta.json").read_text())
