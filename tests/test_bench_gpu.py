@@ -176,9 +176,10 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path, warm_children
     assert reference["steps"] == 2 and 0 <= reference["accuracy_flip_translate_tta"] <= 1
     for name in ("ours_cold", "ours_warm", "ours_variant"):
         ours = stages[name]["results"]
-        assert ours["epochs"] == 1 and ours["tta"] == "flip_translate" and 0 <= ours["accuracy"] <= 1
-        assert list(ours["accuracy_by_tta"]) == ["none", "flip", "flip_translate"]  # the table's plain and flip
-        assert ours["accuracy_by_tta"]["flip_translate"] == ours["accuracy"]
+        tta = "flip" if name == "ours_variant" else "flip_translate"  # the variant: the preset with flip TTA
+        assert ours["epochs"] == 1 and ours["tta"] == tta and 0 <= ours["accuracy"] <= 1
+        steps = ["none", "flip", "flip_translate"][:2 if tta == "flip" else 3]  # the table's plain (and flip)
+        assert list(ours["accuracy_by_tta"]) == steps and ours["accuracy_by_tta"][tta] == ours["accuracy"]
         assert 0 < ours["first_step_s"] < stages[name]["wall_s"] and ours["images_per_s"] > 0
         assert ours["train_s"] > 0 and ours["eval_s"] >= 0 and ours["between_epochs_s"] == 0  # one epoch: no gap
         assert ours["first_step_s"] <= ours["last_epoch_at_s"] < stages[name]["wall_s"]  # the same clock
@@ -190,16 +191,18 @@ def test_the_smoke_run_goes_through_every_stage_on_a_cpu(tmp_path, warm_children
         assert 0 < ours["wind_down_s"] < stages[name]["wall_s"] - ours["last_epoch_at_s"]
     warm, variant = (json.loads((tmp_path / "work" / name / "best" / "meta.json").read_text())["args"]
                      for name in ("ours-warm", "ours-variant"))
-    assert warm["identity_start"] is False and (warm["seed"], variant["seed"]) == (42, 1)
-    assert variant["identity_start"] is False
-    assert stages["ours_variant"]["preset"] == "reference_recipe_plain_start_seed_1"
+    assert warm["identity_start"] is False and (warm["seed"], variant["seed"]) == (42, 42)
+    assert variant["identity_start"] is False and (warm["tta"], variant["tta"]) == ("flip_translate", "flip")
+    assert {key: value for key, value in warm.items() if key not in ("tta", "output_dir")} == {
+        key: value for key, value in variant.items() if key not in ("tta", "output_dir")}  # all else the same
+    assert stages["ours_variant"]["preset"] == "reference_recipe_plain_start_flip_tta"
     assert "checked 135 images" in (out / "ours-cold.log").read_text()  # cold: decoded in the run
     assert "image check of 135 images read from" in (out / "ours-warm.log").read_text()  # warm: the cold one's
     peers = stages["seedlings"]["results"]  # benchmark_peers.py's JSON: each peer's lines read as ours are
     assert_timed_runs(peers, ["ours", "timm", "cv_example"], target=0.60)
     assert peers["seeds"] == [42] and peers["ours_first_step_s"] > 0
     markdown = (out / "bench-gpu.md").read_text()
-    for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start_seed_1`",
+    for row in ("| ours, cold", "| ours, warm (", "| ours, warm, `--variant reference_recipe_plain_start_flip_tta`",
                 " plain, ", " flip, **", "** flip + translate TTA (epoch 1; best ",
                 "| reference", "| ours |", "| timm |", "| cv_example |", "- ours cold, ", "- ours variant, ",
                 "s to our last line (scoring after training",
