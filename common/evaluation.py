@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .distributed import is_compiled
 from .flags import TTA
 from .mistakes import find_label_issues, write_mistakes_report
-from .reporting import confusion_matrix, tta_steps, write_predictions, write_reports
+from .reporting import confusion_matrix, tta_steps, tta_warning, write_predictions, write_reports
 
 
 def probabilities(model, images, *, tta="none"):
@@ -46,8 +46,9 @@ def tta_probabilities(model, images, *, tta="none"):
 @torch.inference_mode()
 def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
     """Loss (plain cross entropy), accuracy, macro-F1, samples, the `tta` used (see `probabilities`), the accuracy at
-    each step of it (`accuracy_by_tta`: {"none": without TTA, ...}), and the predictions, probabilities, labels and
-    indices (numpy) of every process's samples, each once, in index order.
+    each step of it (`accuracy_by_tta`: {"none": without TTA, ...}; `tta_vs_plain`: how many images the TTA
+    "gained" and "lost" against none), and the predictions, probabilities, labels and indices (numpy) of every
+    process's samples, each once, in index order.
     A compiled model (--compile) sees every batch at the first one's size: the last, smaller batch is filled up with
     copies of its last image, whose scores are dropped, so that Dynamo does not compile the model again for that
     size (in eval mode each image's scores are its own: BatchNorm uses its running statistics)."""
@@ -73,6 +74,9 @@ def evaluate(model, eval_dataloader, accelerator, *, transform, tta="none"):
             "macro_f1": macro_f1(labels, predictions, num_classes=all_probabilities.shape[1]),
             "samples": len(labels), "tta": tta,
             "accuracy_by_tta": dict(zip(TTA, right.float().mean(0).tolist())),  # {"none": ..., up to `tta`}
+            # the images the TTA got right where the plain model did not, and the other way round
+            "tta_vs_plain": {"gained": int((right[:, -1] & ~right[:, 0]).sum()),
+                             "lost": int((right[:, 0] & ~right[:, -1]).sum())},
             "predictions": predictions.numpy(),
             "probabilities": all_probabilities.numpy(), "labels": labels.numpy(), "indices": indices.numpy()}
 
@@ -142,6 +146,8 @@ def report_evaluation(accelerator, evaluation, *, output_dir, dataset, about=Non
                               label_issues=label_issues)
         print(f"classification report, {name} ({evaluation['samples']} images):\n{report}")
     steps = tta_steps(evaluation["tta"], evaluation["accuracy_by_tta"], plain="without TTA")
+    if accelerator.is_main_process and (warning := tta_warning(evaluation)):
+        print(warning)
     accelerator.print(f"{name}: {evaluation['samples']} images, accuracy {100 * evaluation['accuracy']:.2f}%"
                       f"{f' ({steps})' if steps else ''}, macro-F1 {evaluation['macro_f1']:.4f}; reports in {output_dir} "
                       "(open report.html)")

@@ -4,6 +4,7 @@ scikit-learn's, counted here in numpy (scikit-learn's import is most of a second
 
 import csv
 import json
+import math
 import os
 from pathlib import Path
 
@@ -34,6 +35,18 @@ def tta_steps(tta, accuracy_by_tta, *, plain="without it"):
     96.44%, flip alone 92.22%" ("" without TTA)."""
     return ", ".join(f"{plain if step == 'none' else step + ' alone'} {100 * accuracy:.2f}%"
                      for step, accuracy in (accuracy_by_tta or {}).items() if step != tta)
+
+
+def tta_warning(evaluation):
+    """A warning when an `evaluate` result's TTA lost clearly more images than it gained against the plain model
+    (more than chance would: a sign test's 2 sigma), as flipping does to digits; else None."""
+    gained, lost = evaluation["tta_vs_plain"].values()
+    if lost - gained <= 2 * math.sqrt(lost + gained):
+        return None
+    return (f"warning: --tta {evaluation['tta']} lowered this model's accuracy to {evaluation['accuracy']:.2%}, from "
+            f"{evaluation['accuracy_by_tta']['none']:.2%} without it (it turned {lost} right answers wrong and {gained} "
+            "wrong ones right): these images do not keep their class mirrored or shifted. Score them without --tta, and "
+            "train without it (a run chooses best/ on the accuracy with it)")
 
 
 def log_epoch(accelerator, output_dir, record, *, epochs):

@@ -43,7 +43,7 @@ from .errors import STOP_HINTS, TERMINATED, Interrupted, Terminated, UserError, 
 from .mistakes import find_label_issues, write_mistakes_report
 from .models import save_best_model
 from .outputs import WriteFailed, finish_writes, latest_checkpoint, set_aside_earlier_run, unlock_output_dirs
-from .reporting import log_epoch, write_reports
+from .reporting import log_epoch, tta_warning, write_reports
 
 # tqdm's monitor thread exits as evaluation forks its DataLoader workers, which can deadlock the child (a
 # seedlings run hung there); the monitor only tunes how often a slow bar redraws.
@@ -373,12 +373,8 @@ class TrainingRun:
             accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "
                               f"({evaluation['samples']} images; best/ holds epoch {self.best_epoch}, "
                               f"{self.best_accuracy:.2%}):\n{report}")
-            plain = evaluation["accuracy_by_tta"]["none"]
-            if plain > evaluation["accuracy"]:  # e.g. mirrored digits: another digit
-                accelerator.print(f"warning: --tta {evaluation['tta']} lowered this model's accuracy to "
-                                  f"{evaluation['accuracy']:.2%}, from {plain:.2%} without it: these images do not keep "
-                                  "their class mirrored or shifted. Run without --tta (best/ is chosen on the accuracy "
-                                  "with it); evaluate.py and predict.py score without it by default")
+            if warning := tta_warning(evaluation):  # e.g. mirrored digits: other digits
+                accelerator.print(warning)
             label_issues = None if train_scores is None else find_label_issues(
                 train_scores, class_names=class_names, files=train_set.files, split="training", trained_on=True)
         accelerator.wait_for_everyone()  # the plots drawn: report.html embeds them

@@ -248,8 +248,12 @@ def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path)
     test_set = build_digits()[1]
     batches = [{"image": test_set.images[i:i + 64], "label": test_set.labels[i:i + 64],
                 "index": torch.arange(len(test_set))[i:i + 64]} for i in range(0, len(test_set), 64)]
-    alone = {tta: evaluate(model, batches, SimpleNamespace(num_processes=1), tta=tta, transform=partial(
-        preprocess, normalize=(meta["mean"], meta["std"])))["accuracy"] for tta in ("none", "flip", "flip_translate")}
+    scored = {tta: evaluate(model, batches, SimpleNamespace(num_processes=1), tta=tta, transform=partial(
+        preprocess, normalize=(meta["mean"], meta["std"]))) for tta in ("none", "flip", "flip_translate")}
+    alone = {tta: scored[tta]["accuracy"] for tta in scored}
+    changed = scored["flip_translate"]["tta_vs_plain"]  # the images it turned, each way
+    assert changed["gained"] - changed["lost"] == round(450 * (alone["flip_translate"] - alone["none"]))
+    assert changed["lost"] > 0 and scored["none"]["tta_vs_plain"] == {"gained": 0, "lost": 0}
     best = metrics[meta["epoch"] - 1]
     by_tta = best["val_accuracy_by_tta"]
     assert list(by_tta) == ["none", "flip", "flip_translate"] and by_tta == pytest.approx(alone, abs=1e-6)

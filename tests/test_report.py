@@ -233,3 +233,21 @@ def test_the_classification_report_is_scikit_learns_to_the_last_digit():
                 [token[:-2] if token.endswith(".0") and token[:-2].isdigit() else token for token in line.split()]
                 for line in expected.splitlines()], trial
         assert json.dumps(report) == json.dumps(theirs(labels, predictions, output_dict=True, **kwargs)), trial
+
+
+def test_a_tta_that_loses_clearly_more_images_than_it_gains_is_warned_of():
+    """Flipping digits makes other digits: the run and evaluate.py say so. A loss within chance (a sign test's 2
+    sigma over the images the TTA changed) is not warned of: a TTA that is level with the plain model, as at 4
+    epochs of CIFAR-10, loses a few images here and there."""
+    from common.reporting import tta_warning
+
+    def warned(gained, lost):
+        return tta_warning({"tta": "flip", "accuracy": 0.9222, "accuracy_by_tta": {"none": 0.9644, "flip": 0.9222},
+                            "tta_vs_plain": {"gained": gained, "lost": lost}})
+
+    assert warned(3, 22) == ("warning: --tta flip lowered this model's accuracy to 92.22%, from 96.44% without it (it "
+                             "turned 22 right answers wrong and 3 wrong ones right): these images do not keep their "
+                             "class mirrored or shifted. Score them without --tta, and train without it (a run chooses "
+                             "best/ on the accuracy with it)")
+    assert warned(0, 5) and warned(20, 40)  # 5 > 2 sqrt(5); 20 > 2 sqrt(60)
+    assert warned(0, 4) is None and warned(40, 42) is None and warned(22, 3) is None and warned(0, 0) is None
