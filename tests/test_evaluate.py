@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -146,8 +147,6 @@ def test_a_compiled_model_is_compiled_once_for_an_evaluation_whose_last_batch_is
     layout, its fillers' scores dropped, so that Dynamo compiles the model once for evaluation instead of again for
     that size (a 2-epoch digits run, its Inductor cache cold: 3-4 s of 27-35 s on a 2-core CPU), nor for the strides
     of flip + translate TTA's shifted views; the scores are the uncompiled model's."""
-    from types import SimpleNamespace
-
     from common.evaluation import evaluate
 
     torch.manual_seed(0)
@@ -230,9 +229,9 @@ def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path)
     result = script("train_mnist.py", "--dataset", "digits", "--epochs", 2, "--tta", "flip_translate",
                     "--mixed_precision", "no", "--output_dir", run)
     assert result.returncode == 0, result.output
-    line = re.search(r"epoch 2/2 .* val_accuracy ([\d.]+)% \(450 images, flip \+ translate TTA; without it "
+    said = re.search(r"epoch 2/2 .* val_accuracy ([\d.]+)% \(450 images, flip \+ translate TTA; without it "
                      r"([\d.]+)%, flip alone ([\d.]+)%\)", result.output)
-    assert line, result.output
+    assert said, result.output
     # mirrored digits are other digits: the TTA lowers the accuracy, and the run says so once, at its end
     assert result.output.count("warning: --tta flip_translate lowered this model's accuracy to") == 1, result.output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -242,7 +241,6 @@ def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path)
     # each step's accuracy, from the same passes: what the same model scores with that TTA alone
     from common.evaluation import evaluate
     from common.models import load_best_model
-    from types import SimpleNamespace
 
     model, _ = load_best_model(run / "best")
     test_set = build_digits()[1]
@@ -258,7 +256,7 @@ def test_a_run_with_tta_evaluates_every_epoch_with_it_and_best_says_so(tmp_path)
     by_tta = best["val_accuracy_by_tta"]
     assert list(by_tta) == ["none", "flip", "flip_translate"] and by_tta == pytest.approx(alone, abs=1e-6)
     assert by_tta["flip_translate"] == best["val_accuracy"] == meta["value"] and meta["value_by_tta"] == by_tta
-    assert [float(value) for value in line.groups()] == pytest.approx(
+    assert [float(value) for value in said.groups()] == pytest.approx(
         [100 * metrics[-1]["val_accuracy_by_tta"][step] for step in ("flip_translate", "none", "flip")],
         abs=0.006), result.output
     again = script("evaluate.py", "--model_dir", run / "best", "--tta", "flip_translate", "--mixed_precision", "no",
