@@ -320,7 +320,9 @@ class TrainingRun:
             save_best_model(self.accelerator, model, self.output_dir, evaluation=evaluation,
                             meta={**self.model_info, "epoch": self.epoch, "weights": weights,
                                   "metric": "val_accuracy", "value": evaluation["accuracy"], "tta": evaluation["tta"],
-                                  "value_by_tta": evaluation["accuracy_by_tta"]},
+                                  # each step's accuracy, as metrics.jsonl has it: without a TTA, `value` alone
+                                  **({"value_by_tta": evaluation["accuracy_by_tta"]} if evaluation["tta"] != "none"
+                                     else {})},
                             later=True)
 
     @names_the_last_checkpoint
