@@ -32,6 +32,7 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     what a killed run left half-written. An earlier run there is refused unless --resume or --overwrite."""
     output_dir = Path(output_dir)
     check_not_inside(output_dir, inputs, flag="--output_dir")
+    check_not_in_a_run(output_dir, flag="--output_dir")
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file: choose a folder (it is created if missing)")
     problem = None
@@ -210,11 +211,32 @@ def check_not_inside(output, inputs, *, flag):
                             f"(and read as images by the next run). Choose a place outside {item}.")
 
 
+# a run's folders that it replaces or deletes whole, and when
+REPLACED_WHOLE = {"best": "which it replaces whole each time a later epoch scores better (a resumed run's too)",
+                  "checkpoints": "where it deletes its older checkpoints, and which --overwrite sets aside",
+                  PREVIOUS_RUN: "deleted whole at the first checkpoint of the run that replaced it"}
+
+
+def check_not_in_a_run(output, *, flag):
+    """`output` (a folder or file to write) is not in a run's best/, checkpoints/ or previous_run/, where what is
+    written would be lost with the folder, without a word, when the run next writes it."""
+    resolved = Path(output).resolve()
+    for folder in (resolved, *resolved.parents):
+        held = folder if folder.name == PREVIOUS_RUN else folder.parent  # the run's own files
+        if folder.name in REPLACED_WHOLE and (has_checkpoint(held) or (held / "metrics.jsonl").is_file()
+                                              or (held / "best" / "meta.json").is_file()):
+            shown = folder.relative_to(Path.cwd()) if Path.cwd() in folder.parents else folder
+            raise UserError(f"{flag} {output} {'is' if folder == resolved else 'is inside'} {shown}, the "
+                            f"{folder.name}/ folder of a run, {REPLACED_WHOLE[folder.name]}: what is written there "
+                            "would be lost with it. Choose a place outside it.")
+
+
 def make_folder(folder, *, inputs=(), flag="--work_dir"):
-    """A tool's work or output folder (`flag`), created: not inside its `inputs`, not a file, on a filesystem it
-    can write to."""
+    """A tool's work or output folder (`flag`), created: not inside its `inputs` or a run's folders that it replaces
+    whole, not a file, on a filesystem it can write to."""
     folder = Path(folder)
     check_not_inside(folder, inputs, flag=flag)
+    check_not_in_a_run(folder, flag=flag)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{flag} {folder} is a file: choose a folder (it is created if missing)")
     try:

@@ -15,7 +15,7 @@ from .distributed import cpu_computes_bf16
 from .errors import UserError
 from .images import (IMAGE_EXTENSIONS, check_names, entry_kind, is_hidden, list_image_folder, read_image,
                      refuse_run_folder, run_files, split_dataset)
-from .outputs import check_not_inside, remove, write_atomically
+from .outputs import check_not_in_a_run, check_not_inside, remove, write_atomically
 
 
 def find_images(inputs):
@@ -74,6 +74,7 @@ def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False
                         "glob such as --output imgs/*.jpg, the first image would have been the output)")
     if not path.parent.is_dir():
         raise UserError(f"--output {path}: the folder {path.parent} does not exist; create it or choose another file")
+    check_not_in_a_run(path, flag="--output")
     if any(path.resolve() == Path(item).resolve() for item in inputs):
         raise UserError(f"--output {path} is one of the inputs: writing there would destroy it. Choose another "
                         "file (a shell glob after --output names an input as the output)")

@@ -756,6 +756,30 @@ def test_an_output_dir_inside_the_data_is_refused(tmp_path):
         p.name for p in (ODD_IMAGES.parent / "seedlings").iterdir())
 
 
+def test_an_output_in_a_runs_best_or_checkpoints_is_refused_and_a_folder_only_named_best_is_not(digits_run, tmp_path):
+    """A run replaces its best/ whole at each better epoch and deletes its older checkpoints: a run, an evaluation or
+    a CSV written in there would be lost with them, without a word."""
+    before = snapshot(digits_run)
+    best, checkpoint = digits_run / "best", sorted((digits_run / "checkpoints").glob("epoch_*"))[-1]
+    for output_dir, said in ((best, f"is {best}, the best/ folder of a run"),
+                             (best / "run", f"is inside {best}, the best/ folder of a run"),
+                             (checkpoint / "run", f"is inside {checkpoint.parent}, the checkpoints/ folder of a run")):
+        result = script("train_mnist.py", "--dataset", "digits", "--output_dir", output_dir)
+        assert_refused(result, f"--output_dir {output_dir} {said}", "would be lost", "Choose a place outside it")
+    assert_refused(script("evaluate.py", "--model_dir", best, "--output_dir", best / "evaluation"),
+                   f"--output_dir {best / 'evaluation'} is inside {best}, the best/ folder of a run")
+    assert_refused(script("predict.py", "--model_dir", best, "--output", best / "predictions.csv",
+                          ODD_IMAGES.parent / "seedlings"), f"--output {best / 'predictions.csv'} is inside {best}")
+    assert snapshot(digits_run) == before
+    # a folder of the user's that is only named best, or a run's folder inside another run's, is no such folder
+    for output_dir in (tmp_path / "best" / "run", digits_run.parent / "outer" / "inner"):
+        if output_dir.parent.name == "outer":
+            shutil.copytree(digits_run, output_dir.parent)
+        result = script("train_mnist.py", "--dataset", "digits", "--epochs", 1, "--output_dir", output_dir)
+        assert result.returncode == 0, result.output
+        assert (output_dir / "best" / "model.safetensors").is_file()
+
+
 def test_split_dataset_refuses_a_target_inside_its_source(tmp_path):
     data = tmp_path / "seedlings"
     shutil.copytree(ODD_IMAGES.parent / "seedlings", data)
