@@ -19,6 +19,7 @@ from accelerate.utils import broadcast_object_list
 from filelock import SoftFileLease, Timeout
 
 from .errors import UserError
+from .images import run_files
 
 # a folder holding one of these holds a run; the others are written by a run too, and go aside with it
 RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
@@ -223,8 +224,7 @@ def check_not_in_a_run(output, *, flag):
     resolved = Path(output).resolve()
     for folder in (resolved, *resolved.parents):
         held = folder if folder.name == PREVIOUS_RUN else folder.parent  # the run's own files
-        if folder.name in REPLACED_WHOLE and (has_checkpoint(held) or (held / "metrics.jsonl").is_file()
-                                              or (held / "best" / "meta.json").is_file()):
+        if folder.name in REPLACED_WHOLE and (has_checkpoint(held) or run_files(held)):
             shown = folder.relative_to(Path.cwd()) if Path.cwd() in folder.parents else folder
             raise UserError(f"{flag} {output} {'is' if folder == resolved else 'is inside'} {shown}, the "
                             f"{folder.name}/ folder of a run, {REPLACED_WHOLE[folder.name]}: what is written there "
