@@ -772,9 +772,8 @@ def test_an_output_in_a_runs_best_or_checkpoints_is_refused_and_a_folder_only_na
                           ODD_IMAGES.parent / "seedlings"), f"--output {best / 'predictions.csv'} is inside {best}")
     assert snapshot(digits_run) == before
     # a folder of the user's that is only named best, or a run's folder inside another run's, is no such folder
-    for output_dir in (tmp_path / "best" / "run", digits_run.parent / "outer" / "inner"):
-        if output_dir.parent.name == "outer":
-            shutil.copytree(digits_run, output_dir.parent)
+    shutil.copytree(digits_run, tmp_path / "outer")
+    for output_dir in (tmp_path / "best" / "run", tmp_path / "outer" / "inner"):
         result = script("train_mnist.py", "--dataset", "digits", "--epochs", 1, "--output_dir", output_dir)
         assert result.returncode == 0, result.output
         assert (output_dir / "best" / "model.safetensors").is_file()
