@@ -3,8 +3,9 @@ data with a fingerprint of the files, so that the next run reads it instead of d
 
 ROOT/.checked-NAME.json records the check (fingerprint, the bad files); with a `cache` spec the images, as
 evaluation first sees them, go into ROOT/.checked-NAME-SIZE.npy, decoded once per machine (each process its
-share) and memory-mapped by every process, so that the page cache holds one copy. Both files are best effort:
-a read-only data folder means decoding again.
+share) and memory-mapped by every process, so that the page cache holds one copy. Where ROOT is read-only, both
+go into this user's cache folder instead (`split_record`). Both files are best effort: where neither can be written
+(a full disk), a run decodes into memory.
 """
 
 import glob
@@ -72,8 +73,31 @@ def decode_split(split, *, size, channels=3, accelerator=None):
 
 
 def split_record(split):
-    """Where a split's check is kept: ROOT/.checked-NAME.json (None for a Hugging Face dataset in memory)."""
-    return split["root"] / f".checked-{split['name']}.json" if split["root"] else None
+    """Where a split's check is kept: ROOT/.checked-NAME.json, or, where ROOT cannot be written (a cluster's shared
+    datasets, mounted read-only) and holds none, the same name in this user's cache for ROOT (`user_cache_folder`),
+    so that only the first run there decodes (each process its share, as beside the data) and the next maps it.
+    None for a Hugging Face dataset in memory."""
+    if not split["root"]:
+        return None
+    beside = split["root"] / f".checked-{split['name']}.json"
+    if beside.exists() or os.access(split["root"], os.W_OK):
+        return beside
+    try:
+        folder = user_cache_folder(split["root"])
+        folder.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError):  # no home either: decoded into memory, as the message then says
+        return beside
+    return folder / beside.name
+
+
+def user_cache_folder(root):
+    """This user's folder for the checks of data folder `root`: $XDG_CACHE_HOME (else ~/.cache)/image-classification/
+    decode/NAME-HASH, the hash of `root`'s resolved path (another folder of the same name gets its own)."""
+    given = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(given) if os.path.isabs(given) else Path.home() / ".cache"  # a relative one is ignored (XDG's rule)
+    resolved = str(Path(root).resolve())
+    digest = hashlib.sha256(resolved.encode()).hexdigest()[:12]
+    return base / "image-classification" / "decode" / f"{Path(resolved).name}-{digest}"
 
 
 def _decode_unless_recorded(files, decode, *, accelerator, record, cache):

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from common.checkpoint import find_checkpoint
+from common.decode_cache import user_cache_folder
 from common.models import load_best_model
 from common.cifar import build_cifar10
 from common.mnist import build_mnist
@@ -842,30 +844,49 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_on_a_read_only_filesystem_trains_and_evaluates_without_keeping_its_check(tmp_path, cifar_jpegs):
-    """A cluster's shared datasets are often mounted read-only: the image check and the decode cache, which only
-    spare the next run some time, stay in memory (it was a traceback: even the unlink of a file never made is
-    refused there)."""
+def test_data_on_a_read_only_filesystem_keeps_its_check_in_the_users_cache(tmp_path, cifar_jpegs, monkeypatch):
+    """A cluster's shared datasets are often mounted read-only: the image check and the decode cache go into the
+    user's cache folder instead ($XDG_CACHE_HOME), so that the next run maps them rather than decoding again (it was
+    every run decoding, every process all of it); where that cannot be written either, a run decodes into memory."""
     if os.geteuid() != 0:
         pytest.skip("mounting a read-only filesystem needs root")
-    data = tmp_path / "ro"
+    data, cache = tmp_path / "ro", tmp_path / "cache"
     data.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", data]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
+    # matplotlib's font list stays where it is (it too follows XDG_CACHE_HOME, and would be built again)
+    monkeypatch.setenv("MPLCONFIGDIR", os.environ.get("MPLCONFIGDIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "matplotlib"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     try:
         shutil.copytree(ODD_IMAGES.parent / "seedlings", data / "seedlings")
         shutil.copytree(cifar_jpegs, data / "cifar10")
         subprocess.run(["mount", "-o", "remount,ro", data], check=True)
-        seedlings = script("train_seedlings.py", "--data_dir", data / "seedlings", "--model", "test_resnet",
-                           "--image_size", 32, "--epochs", 1, "--batch_size", 8, "--output_dir", tmp_path / "seedlings")
-        assert seedlings.returncode == 0, seedlings.output
-        assert "checked 59 images on 1 process(es) (59)\n" in seedlings.output  # and not "kept in"
-        assert (f"the decoded images could not be kept in {data / 'seedlings' / '.checked-train-37px.npy'} (Read-only "
-                "file system): decoded into memory for this run, by each process, and again by the next run\n"
-                in seedlings.output), seedlings.output
+        train = ("train_seedlings.py", "--data_dir", data / "seedlings", "--model", "test_resnet", "--image_size", 32,
+                 "--epochs", 1, "--batch_size", 8, "--overwrite")
+        first = script(*train, "--output_dir", tmp_path / "seedlings")
+        assert first.returncode == 0, first.output
+        kept = user_cache_folder(data / "seedlings")
+        assert kept.parent == cache / "image-classification" / "decode", kept
+        assert (f"checked 59 images on 1 process(es) (59), kept in {kept / '.checked-train.json'}; decoded once for "
+                "this machine into .checked-train-37px.npy\n" in first.output), first.output
+        again = script(*train, "--output_dir", tmp_path / "seedlings-again")
+        assert again.returncode == 0, again.output
+        assert f"image check of 59 images read from {kept / '.checked-train.json'} (the files have not changed)\n" in (
+            again.output), again.output
+        assert "checked 59 images" not in again.output, again.output  # nothing decoded a second time
+        trained = [load_file(tmp_path / run / "best" / "model.safetensors") for run in ("seedlings", "seedlings-again")]
+        assert all(torch.equal(trained[0][name], trained[1][name]) for name in trained[0])  # the same images mapped
+
+        # nor the cache folder (a file where it would be made: root writes into a read-only mode)
+        shutil.rmtree(cache / "image-classification")
+        (cache / "image-classification").write_text("not a folder")
         cifar = script("train_cifar.py", "--data_dir", data / "cifar10", "--model", "test_resnet", "--epochs", 1,
                        "--max_steps", 2, "--batch_size", 16, "--output_dir", tmp_path / "cifar")
         assert cifar.returncode == 0, cifar.output
+        assert (f"the decoded images could not be kept in {data / 'cifar10' / '.checked-train-32x32.npy'} (Read-only "
+                "file system): decoded into memory for this run, by each process, and again by the next run\n"
+                in cifar.output), cifar.output
         evaluated = script("evaluate.py", "--model_dir", tmp_path / "cifar", "--data_dir", data / "cifar10",
                            "--output_dir", tmp_path / "evaluation")
         assert evaluated.returncode == 0 and "(cifar10, test): 101 images" in evaluated.output, evaluated.output
