@@ -65,7 +65,7 @@ class ImageFiles(torch.utils.data.Dataset):
 
 def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False):
     """Check, before any work, that a tool can write `path`; an existing file must be `is_ours` (`what` names it:
-    "a CSV written by predict.py") unless `overwrite`."""
+    "a CSV written by predict.py") unless `overwrite`; `is_ours` None: none is replaced without `overwrite`."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"--output {path} is a folder: give a file name, e.g. {path / ('output' + suffix)}")
@@ -78,9 +78,9 @@ def check_output_file(path, *, suffix, what, is_ours, inputs=(), overwrite=False
     if any(path.resolve() == Path(item).resolve() for item in inputs):
         raise UserError(f"--output {path} is one of the inputs: writing there would destroy it. Choose another "
                         "file (a shell glob after --output names an input as the output)")
-    if path.exists() and not overwrite and not is_ours(path):
-        raise UserError(f"--output {path} exists and is not {what}: choose another file, or pass --overwrite to "
-                        "replace it")
+    if path.exists() and not overwrite and (is_ours is None or not is_ours(path)):
+        raise UserError(f"--output {path} exists{'' if is_ours is None else f' and is not {what}'}: choose another "
+                        "file, or pass --overwrite to replace it")
     if not os.access(path.parent, os.W_OK):
         raise UserError(f"--output {path}: the folder {path.parent} is not writable")
 

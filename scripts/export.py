@@ -93,8 +93,8 @@ def compare(model, exported, images, meta):
 def main(args):
     refuse_several_processes("export.py")
     paths = find_images(args.check_images)
-    check_output_file(args.output, suffix=".onnx", what="an ONNX model", is_ours=lambda path: False, inputs=paths,
-                      overwrite=args.overwrite)
+    check_output_file(args.output, suffix=".onnx", what="an ONNX model", is_ours=None, inputs=paths,
+                      overwrite=args.overwrite)  # an ONNX file may be deployed: replaced only with --overwrite
     check_output_file(description_path(args.output), suffix=".json", what="a description written by export.py",
                       is_ours=is_description, inputs=paths, overwrite=args.overwrite)
     require_export_packages()

@@ -164,7 +164,9 @@ def test_an_onnx_export_predicts_the_same_top_1_as_pytorch_on_the_digits_test_im
                        atol=1e-5)
     # an existing export is kept unless --overwrite; a model without its description is refused by name
     again = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images")
-    assert again.returncode == 2 and "exists" in again.output and "Traceback" not in again.output
+    assert again.returncode == 2 and "Traceback" not in again.output, again.output
+    assert (f"error: --output {onnx} exists: choose another file, or pass --overwrite to replace it\n"
+            in again.output), again.output  # not "and is not an ONNX model": it is one, and still kept
     # an export that fails its check replaces nothing: the earlier one stays, the same file
     inode = onnx.stat().st_ino
     failed = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images",
