@@ -878,7 +878,7 @@ def test_data_on_a_read_only_filesystem_keeps_its_check_in_the_users_cache(tmp_p
         trained = [load_file(tmp_path / run / "best" / "model.safetensors") for run in ("seedlings", "seedlings-again")]
         assert all(torch.equal(trained[0][name], trained[1][name]) for name in trained[0])  # the same images mapped
 
-        # nor the cache folder (a file where it would be made: root writes into a read-only mode)
+        # the cache folder cannot be made either (a file in its place: a read-only mode would not stop root)
         shutil.rmtree(cache / "image-classification")
         (cache / "image-classification").write_text("not a folder")
         cifar = script("train_cifar.py", "--data_dir", data / "cifar10", "--model", "test_resnet", "--epochs", 1,
