@@ -863,7 +863,7 @@ def test_data_on_a_read_only_filesystem_keeps_its_check_in_the_users_cache(tmp_p
         shutil.copytree(cifar_jpegs, data / "cifar10")
         subprocess.run(["mount", "-o", "remount,ro", data], check=True)
         train = ("train_seedlings.py", "--data_dir", data / "seedlings", "--model", "test_resnet", "--image_size", 32,
-                 "--epochs", 1, "--batch_size", 8, "--overwrite")
+                 "--epochs", 1, "--batch_size", 8)
         first = script(*train, "--output_dir", tmp_path / "seedlings")
         assert first.returncode == 0, first.output
         kept = user_cache_folder(data / "seedlings")
