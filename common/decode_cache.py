@@ -1,11 +1,11 @@
 """The one decode cache: every image of a list decoded once, unreadable ones named, and the result kept beside the
 data with a fingerprint of the files, so that the next run reads it instead of decoding again.
 
-ROOT/.checked-NAME.json records the check (fingerprint, the bad files); with a `cache` spec the images, as
-evaluation first sees them, go into ROOT/.checked-NAME-SIZE.npy, decoded once per machine (each process its
-share) and memory-mapped by every process, so that the page cache holds one copy. Where ROOT is read-only, both
-go into this user's cache folder instead (`split_record`). Both files are best effort: where neither can be written
-(a full disk), a run decodes into memory.
+ROOT/.checked-NAME.json records the check (fingerprint, the bad files, the sizes decoded); with a `cache` spec the
+images, as evaluation first sees them, go into ROOT/.checked-NAME-SIZE.npy, decoded once per machine and size (each
+process its share) and memory-mapped by every process, so that the page cache holds one copy. Where ROOT is
+read-only, what it does not hold goes into this user's cache folder instead (`split_record`). Both files are best
+effort: where neither can be written (a full disk), a run decodes into memory.
 """
 
 import glob
@@ -36,7 +36,7 @@ def check_images(files, *, skip_bad_images, cache=None, accelerator=None, record
     A bad image stops the run with its name unless `skip_bad_images`. `cache`: an eval_transform spec
     (common.models.describe_model) for a uint8 (N, 3, H, W) of every listed file, zeros for the bad ones.
     With an `accelerator` each process decodes its share and all agree on the result. `record`: the JSON file
-    that keeps it (None: nothing is kept).
+    that keeps it, or a list of them (`split_record`), read in order, the last one written (None: nothing is kept).
     """
     shrink = build_eval_transform(cache) if cache else None
     channels = cache.get("channels", 3) if cache else 3
@@ -74,20 +74,21 @@ def decode_split(split, *, size, channels=3, accelerator=None):
 
 def split_record(split):
     """Where a split's check is kept: ROOT/.checked-NAME.json, or, where ROOT cannot be written (a cluster's shared
-    datasets, mounted read-only) and holds none, the same name in this user's cache for ROOT (`user_cache_folder`),
-    so that only the first run there decodes (each process its share, as beside the data) and the next maps it.
-    None for a Hugging Face dataset in memory."""
+    datasets, mounted read-only), [that one, the same name in this user's cache for ROOT (`user_cache_folder`)]: a
+    check or a size kept beside the data is read from there, any other is kept in the cache, so that only the first
+    run decodes it (each process its share, as beside the data) and the next maps it. None for a Hugging Face
+    dataset in memory."""
     if not split["root"]:
         return None
     beside = split["root"] / f".checked-{split['name']}.json"
-    if beside.exists() or os.access(split["root"], os.W_OK):
+    if os.access(split["root"], os.W_OK):
         return beside
     try:
         folder = user_cache_folder(split["root"])
         folder.mkdir(parents=True, exist_ok=True)
     except (OSError, RuntimeError):  # no home either: decoded into memory, as the message then says
         return beside
-    return folder / beside.name
+    return [beside, folder / beside.name]
 
 
 def user_cache_folder(root):
@@ -101,14 +102,21 @@ def user_cache_folder(root):
 
 
 def _decode_unless_recorded(files, decode, *, accelerator, record, cache):
-    """([(file, error)] of the unreadable `files`, the cache or None). The main process reads the record and
-    decides for all (another run may be writing it right now), and writes it."""
+    """([(file, error)] of the unreadable `files`, the cache or None). The main process reads the records, the
+    first that holds this check (and size) wins, and decides for all (another run may be writing one right now);
+    else it writes the last."""
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    records = [Path(record)] if isinstance(record, (str, Path)) else [Path(place) for place in record or ()]
     fingerprint = _fingerprint(files) if rank == 0 else None
-    decoded = Path(record).with_name(f"{Path(record).stem}-{_size_name(cache)}.npy") if record and cache else None
     shape = (len(files), cache.get("channels", 3), *_size(cache)) if cache else None
-    kept = _read_record(record, fingerprint, decoded, shape) if rank == 0 else None
-    kept = broadcast_object_list([kept])[0] if processes > 1 else kept
+    kept, record = None, records[-1] if records else None
+    for place in records if rank == 0 else ():
+        kept = _read_record(place, fingerprint, _decoded_path(place, cache), shape)
+        if kept is not None:
+            record = place
+            break
+    kept, record = broadcast_object_list([kept, record]) if processes > 1 else (kept, record)
+    decoded = _decoded_path(record, cache)
     if kept is not None:
         if rank == 0:
             print(f"image check of {len(files)} images read from {record} (the files have not changed)")
@@ -126,8 +134,9 @@ def _decode_unless_recorded(files, decode, *, accelerator, record, cache):
     bad = sorted(((str(path), str(error)) for path, error in bad), key=lambda item: order[item[0]])
     written = decoded is not None and decoded.exists()
     if rank == 0:
+        sizes = (_decoded_names(record, fingerprint) if record else set()) | ({decoded.name} if written else set())
         text = json.dumps({"fingerprint": fingerprint, "images": len(files), "checked_per_process": shares,
-                           "decoded": decoded.name if written else None, "bad": bad})
+                           "decoded": sorted(sizes), "bad": bad})
         kept = record is not None and write_if_possible(Path(record), lambda tmp: tmp.write_text(text))
         print(f"checked {len(files)} images on {len(shares)} process(es) ({' + '.join(map(str, shares))})"
               + (f", kept in {record}" if kept else "")
@@ -163,6 +172,11 @@ def _fingerprint(files):
     return hashlib.sha256("\n".join(stats).encode()).hexdigest()
 
 
+def _decoded_path(record, cache):
+    """Where the images decoded to `cache`'s size go beside `record`: .checked-NAME-SIZE.npy (None without either)."""
+    return record.with_name(f"{record.stem}-{_size_name(cache)}.npy") if record and cache else None
+
+
 def _read_record(record, fingerprint, decoded, shape):
     """The bad list kept in `record` for these very files (with the `decoded` cache of that shape, when asked for),
     or None: decode again (no record, other files, a cache missing, cut short or not ours)."""
@@ -172,11 +186,28 @@ def _read_record(record, fingerprint, decoded, shape):
             return None
         if decoded:
             images = np.load(decoded, mmap_mode="r")
-            if kept["decoded"] != decoded.name or images.shape != shape or images.dtype != np.uint8:
+            if decoded.name not in _names(kept) or images.shape != shape or images.dtype != np.uint8:
                 return None
         return [(str(path), str(error)) for path, error in kept["bad"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _decoded_names(record, fingerprint):
+    """The decoded sizes `record` names for these very files whose .npy files are still there (a record rewritten
+    for another size keeps them: a run at an earlier size maps its cache again)."""
+    try:
+        kept = json.loads(Path(record).read_text())
+        if kept["fingerprint"] != fingerprint:
+            return set()
+        return {name for name in _names(kept) if (record.parent / name).exists()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _names(kept):
+    decoded = kept["decoded"]  # a list; one name or None in the records of before
+    return set(decoded) if isinstance(decoded, list) else {decoded} - {None}
 
 
 def _decode_shared_out(files, decode, path, shape, accelerator):

@@ -1,5 +1,6 @@
 """Unit tests of the builders in common/: data sources, device transforms, models."""
 
+import json
 import os
 import pickle
 import shutil
@@ -461,6 +462,42 @@ def test_forked_helpers_decode_their_rows_into_the_cache_as_one_process_does(tmp
                                                   f"{str(root / 'cat' / 'zz_broken.jpg')!r}")]
     assert torch.equal(helped[2], alone) and len(good) == len(files) - 1 == 151
     assert len(set(pids.read_text().split())) == (1 if helper_dies else 3)
+
+
+def test_each_size_is_decoded_once_and_a_read_only_folders_own_check_is_read_first(tmp_path, cifar_jpegs, capsys):
+    """A run at another --image_size decodes its own .npy, and the record keeps both: going back to the first size
+    maps it (a record naming only the last size decoded every size change again). Where the data folder cannot be
+    written, a check kept there (by whoever could write it) is read from there, and a size it lacks is decoded once
+    into the user's cache, not into memory every run."""
+    from common.decode_cache import check_images
+    from common.images import list_image_folder
+
+    files, *_ = list_image_folder(cifar_jpegs / "train")
+    beside, cache = tmp_path / "data" / ".checked-train.json", tmp_path / "cache" / ".checked-train.json"
+    beside.parent.mkdir(), cache.parent.mkdir()
+    small, large = {"resize": 37, "center_crop": 32}, {"resize": 55, "center_crop": 48}
+
+    def check(record, size):
+        images = check_images(files, skip_bad_images=False, record=record, cache=size)[2].clone()
+        return images, capsys.readouterr().out
+
+    first, decoded = check(beside, small)
+    assert "checked 151 images on 1 process(es) (151), kept in" in decoded and first.shape == (151, 3, 32, 32)
+    assert "decoded once for this machine into .checked-train-55to48px.npy" in check(beside, large)[1]
+    again, read = check(beside, small)
+    assert read == f"image check of 151 images read from {beside} (the files have not changed)\n" and (
+        torch.equal(again, first))
+    assert json.loads(beside.read_text())["decoded"] == [".checked-train-37to32px.npy", ".checked-train-55to48px.npy"]
+
+    beside.with_name(".checked-train-55to48px.npy").unlink()  # the folder's own check holds 32 px only now
+    before = beside.read_text()
+    assert check([beside, cache], small)[1] == f"image check of 151 images read from {beside} (the files have not " \
+                                               "changed)\n"
+    assert f"kept in {cache}; decoded once" in check([beside, cache], large)[1]
+    assert check([beside, cache], large)[1] == f"image check of 151 images read from {cache} (the files have not " \
+                                               "changed)\n"
+    assert beside.read_text() == before  # read, never written
+    assert sorted(path.name for path in cache.parent.iterdir()) == [".checked-train-55to48px.npy", cache.name]
 
 
 def test_a_decode_interrupted_by_ctrl_c_leaves_no_half_written_cache_beside_the_data(tmp_path, cifar_jpegs,
