@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from .models import read_description
 from .errors import UserError
+from .models import load_best_model, read_description
 
 INPUT, OUTPUT = "images", "logits"
 
@@ -50,3 +50,11 @@ def load_exported(path):
     if problem:
         raise UserError(f"{described} is not a description written by scripts/export.py ({problem}); export again")
     return OnnxModel(path), meta
+
+
+def load_model(model_dir):
+    """(model, meta, exported) for a tool's --model_dir: an .onnx file from scripts/export.py (`load_exported`), else
+    best/, a run's folder or a checkpoint (common.models.load_best_model)."""
+    if Path(model_dir).suffix == ".onnx":
+        return *load_exported(model_dir), True
+    return *load_best_model(model_dir), False

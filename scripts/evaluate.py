@@ -1,6 +1,7 @@
 """Score a trained model on a labelled dataset, on any number of processes, each image counted once.
 
-The model: a best/ folder, a run's output folder (its best/), or a checkpoint. The data: any layout the
+The model: a best/ folder, a run's output folder (its best/), a checkpoint, or an .onnx file from
+scripts/export.py (run by onnxruntime, as a deployment runs it). The data: any layout the
 training scripts read, the one the model was trained on unless --dataset says otherwise:
   cifar10        CIFAR-10 python batches, their .tar.gz, a train/ + test/ (or val/) folder tree
   mnist, fashion_mnist   IDX files;  digits   scikit-learn's digits (no --data_dir)
@@ -40,12 +41,13 @@ from common.decode_cache import decode_split  # noqa: E402
 from common.distributed import build_accelerator, prepare_to_evaluate  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
+from common.exported import load_model  # noqa: E402
 from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, path, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset, find_splits  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
 from common.images import build_eval_transform, folder_entries, list_image_folder  # noqa: E402
 from common.mistakes import MISTAKES_FILES  # noqa: E402
-from common.models import load_best_model, model_folder  # noqa: E402
+from common.models import model_folder  # noqa: E402
 from common.outputs import make_folder  # noqa: E402
 from common.reporting import describe_tta  # noqa: E402
 
@@ -57,13 +59,15 @@ OUTPUTS = ("classification_report.txt", "classification_report.json", "confusion
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model_dir", type=path, required=True, help="best/, a run's output folder, or a checkpoint")
+    parser.add_argument("--model_dir", type=path, required=True,
+                        help="best/, a run's output folder, a checkpoint, or an .onnx file from scripts/export.py")
     parser.add_argument("--data_dir", type=path, default=None, help="the labelled data (see above)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="its layout (default: the one the model was trained on, from meta.json)")
     parser.add_argument("--split", default="test", help="test, train, or a folder's split name (default: %(default)s)")
     parser.add_argument("--output_dir", type=path, default=None,
-                        help="where the reports go (default: MODEL_DIR/../evaluation)")
+                        help="where the reports go (default: MODEL_DIR/../evaluation; for FILE.onnx, "
+                             "FILE-evaluation beside it)")
     parser.add_argument("--overwrite", action="store_true", help="replace reports that are there already")
     add_tta_arg(parser)
     parser.add_argument("--batch_size", type=positive_int, default=256, help="per process (default: %(default)s)")
@@ -154,10 +158,16 @@ def in_model_classes(dataset, class_names, where):
 
 
 def check_output_dir(args):
-    """--output_dir, by default the run's folder/evaluation; checked before any work, created if missing."""
-    model_dir = model_folder(args.model_dir).resolve()
-    run_dir = model_dir if (model_dir / "best").is_dir() else model_dir.parent
-    output_dir = Path(args.output_dir or (run_dir.parent if run_dir.name == "checkpoints" else run_dir) / "evaluation")
+    """--output_dir, by default the run's folder/evaluation (FILE-evaluation beside an exported FILE.onnx); checked
+    before any work, created if missing."""
+    if args.output_dir:
+        output_dir = Path(args.output_dir)
+    elif Path(args.model_dir).suffix == ".onnx":
+        output_dir = Path(args.model_dir).resolve().with_name(f"{Path(args.model_dir).stem}-evaluation")
+    else:
+        model_dir = model_folder(args.model_dir).resolve()
+        run_dir = model_dir if (model_dir / "best").is_dir() else model_dir.parent
+        output_dir = (run_dir.parent if run_dir.name == "checkpoints" else run_dir) / "evaluation"
     earlier = [name for name in OUTPUTS if output_dir.is_dir() and (output_dir / name).exists()]
     if earlier and not args.overwrite:
         raise UserError(f"{output_dir} already holds an evaluation ({', '.join(earlier)}): pass --overwrite to replace "
@@ -167,7 +177,7 @@ def check_output_dir(args):
 
 def main(args):
     accelerator = build_accelerator(mixed_precision=args.mixed_precision)
-    model, meta = load_best_model(args.model_dir)
+    model, meta, exported = load_model(args.model_dir)
     kind = args.dataset or meta.get("dataset")
     if kind is None:
         raise UserError(f"{args.model_dir} does not say which dataset layout it was trained on (written before "
@@ -184,7 +194,8 @@ def main(args):
     else:
         dataloader = build_file_dataloader(dataset, batch_size=args.batch_size, shuffle=False,
                                            num_workers=args.num_workers)
-    model, dataloader = prepare_to_evaluate(accelerator, model), accelerator.prepare(dataloader)
+    model = model if exported else prepare_to_evaluate(accelerator, model)
+    dataloader = accelerator.prepare(dataloader)
     transform = partial(preprocess, normalize=(meta["mean"], meta["std"]))
     evaluation = evaluate(model, dataloader, accelerator, transform=transform, tta=args.tta)
     tta = describe_tta(args.tta)

@@ -29,11 +29,10 @@ from common.data import preprocess  # noqa: E402
 from common.distributed import build_accelerator, prepare_to_evaluate  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import gather_samples, probabilities  # noqa: E402
-from common.exported import load_exported  # noqa: E402
+from common.exported import load_model  # noqa: E402
 from common.flags import ArgumentParser, add_tta_arg, device, nonnegative_int, path, positive_int  # noqa: E402
 from common.folders import build_file_dataloader  # noqa: E402
 from common.images import build_eval_transform  # noqa: E402
-from common.models import load_best_model  # noqa: E402
 from common.outputs import write_atomically  # noqa: E402
 from common.reporting import describe_tta  # noqa: E402
 from common.tools import ImageFiles, check_output_file, find_images  # noqa: E402
@@ -76,8 +75,7 @@ def main(args):
                       inputs=paths, overwrite=args.overwrite)
     on_gpu = torch.device(args.device).type == "cuda"
     accelerator = build_accelerator(cpu=not on_gpu, mixed_precision=args.mixed_precision)
-    exported = Path(args.model_dir).suffix == ".onnx"  # scripts/export.py's file, run by onnxruntime
-    model, meta = load_exported(args.model_dir) if exported else load_best_model(args.model_dir)
+    model, meta, exported = load_model(args.model_dir)  # exported: scripts/export.py's file, run by onnxruntime
     classes, channels = meta["class_names"], meta["model_kwargs"]["in_chans"]
     images = ImageFiles(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
                              image_size=meta["image_size"])

@@ -3,6 +3,7 @@ predict.py) -> the same predictions."""
 
 import csv
 import json
+import re
 import shutil
 import sys
 
@@ -162,6 +163,15 @@ def test_an_onnx_export_predicts_the_same_top_1_as_pytorch_on_the_digits_test_im
     assert [r["class_1"] for r in ours] == [r["class_1"] for r in theirs]
     assert np.allclose([float(r["probability_1"]) for r in ours], [float(r["probability_1"]) for r in theirs],
                        atol=1e-5)
+    # evaluate.py scores the export as a deployment runs it, its reports beside it: the same answers as best/'s
+    scored = [script("evaluate.py", "--model_dir", model, "--mixed_precision", "no", *where) for model, where in (
+        (digits_run / "best", ["--output_dir", tmp_path / "torch-evaluation"]), (onnx, []))]
+    assert all(result.returncode == 0 for result in scored), [result.output for result in scored]
+    score = re.search(r"^digits \(digits, test\): 450 images, accuracy .*; reports in", scored[0].output, re.M)[0]
+    assert f"{score} {onnx.parent / 'digits-evaluation'} (open report.html)\n" in scored[1].output, scored[1].output
+    ours, theirs = (list(csv.DictReader(open(folder / "predictions.csv"))) for folder in (
+        onnx.parent / "digits-evaluation", tmp_path / "torch-evaluation"))
+    assert [(r["index"], r["prediction"]) for r in ours] == [(r["index"], r["prediction"]) for r in theirs]
     # an existing export is kept unless --overwrite; a model without its description is refused by name
     again = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "images")
     assert again.returncode == 2 and "Traceback" not in again.output, again.output
