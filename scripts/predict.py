@@ -10,8 +10,10 @@ name and skipped; the rest are still predicted.
 
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/predict.py --model_dir ... photos/
+    python scripts/predict.py --model_dir outputs/cifar/best --output - photos/ | sort -t, -k3 -r | head
 """
 
+import contextlib
 import csv
 import sys
 from pathlib import Path
@@ -44,7 +46,8 @@ def parse_args(argv=None):
     parser.add_argument("--model_dir", type=path, required=True,
                         help="best/, a run's output folder, a checkpoint, or an .onnx file from scripts/export.py")
     parser.add_argument("--output", type=path, default="predictions.csv",
-                        help="CSV to write; an existing one is replaced only if predict.py wrote it (default: %(default)s)")
+                        help="CSV to write, - for standard output (every other line then goes to standard error); "
+                             "an existing one is replaced only if predict.py wrote it (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output whatever it holds")
     parser.add_argument("--top_k", type=positive_int, default=3, help="classes per image (default: %(default)s)")
     add_tta_arg(parser)
@@ -68,11 +71,21 @@ def is_predictions_csv(path):
         return False
 
 
-@torch.inference_mode()
 def main(args):
+    """--output -: the CSV on standard output, for a pipe, and every other line of the run on standard error."""
+    if str(args.output) != "-":
+        return predict(args)
+    csv_out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return predict(args, csv_out=csv_out)
+
+
+@torch.inference_mode()
+def predict(args, *, csv_out=None):
     paths = find_images(args.inputs)
-    check_output_file(args.output, suffix=".csv", what="a CSV written by predict.py", is_ours=is_predictions_csv,
-                      inputs=paths, overwrite=args.overwrite)
+    if csv_out is None:
+        check_output_file(args.output, suffix=".csv", what="a CSV written by predict.py", is_ours=is_predictions_csv,
+                          inputs=paths, overwrite=args.overwrite)
     on_gpu = torch.device(args.device).type == "cuda"
     accelerator = build_accelerator(cpu=not on_gpu, mixed_precision=args.mixed_precision)
     model, meta, exported = load_model(args.model_dir)  # exported: scripts/export.py's file, run by onnxruntime
@@ -98,18 +111,24 @@ def main(args):
         raise UserError(f"none of the {len(paths)} images could be read (see the lines above); {args.output} was "
                         "not written")
 
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["file"] + [f"{kind}_{k}" for k in range(1, top_k + 1) for kind in ("class", "probability")])
-            writer.writerows(rows)
+    def write(out):
+        writer = csv.writer(out)
+        writer.writerow(["file"] + [f"{kind}_{k}" for k in range(1, top_k + 1) for kind in ("class", "probability")])
+        writer.writerows(rows)
 
-    if accelerator.is_main_process:
-        write_atomically(args.output, write)
+    def write_file(tmp):
+        with open(tmp, "w", newline="") as f:
+            write(f)
+
+    if accelerator.is_main_process and csv_out:
+        write(csv_out)
+        csv_out.flush()
+    elif accelerator.is_main_process:
+        write_atomically(args.output, write_file)
     skipped = len(paths) - len(rows)
     tta = describe_tta(args.tta)
     images = f"{len(rows)} image{'s' * (len(rows) != 1)}"
-    accelerator.print(f"predicted {images}{f' ({tta})' if tta else ''} -> {args.output}"
+    accelerator.print(f"predicted {images}{f' ({tta})' if tta else ''} -> {'standard output' if csv_out else args.output}"
                       + (f"; skipped {skipped} unreadable" if skipped else ""))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process

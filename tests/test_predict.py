@@ -136,6 +136,13 @@ def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp
     assert [r["class_1"] for r in ours] == [r["class_1"] for r in theirs]
     assert np.allclose([float(r["probability_1"]) for r in ours], [float(r["probability_1"]) for r in theirs],
                        atol=1e-6)
+    # --output -: the same CSV on standard output, for a pipe; the run's own lines on standard error
+    piped = launch_warm(REPO / "scripts" / "predict.py", "--model_dir", digits_run, "--output", "-", "--batch_size", 16,
+                        tmp_path / "images", cwd=tmp_path)
+    assert piped.returncode == 0, piped.output
+    assert piped.stdout == (tmp_path / "two.csv").read_text(), piped.output
+    assert "predicted 450 images -> standard output; skipped 1 unreadable\n" in piped.stderr, piped.stderr
+    assert not (tmp_path / "-").exists()
 
 
 def export(*args):
