@@ -10,7 +10,7 @@ name and skipped; the rest are still predicted.
 
     python scripts/predict.py --model_dir outputs/cifar/best --output predictions.csv my_images/ extra.jpg
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/predict.py --model_dir ... photos/
-    python scripts/predict.py --model_dir outputs/cifar/best --output - photos/ | sort -t, -k3 -r | head
+    python scripts/predict.py --model_dir outputs/cifar/best --output - photos/ | cut -d, -f1,2  # to a pipe
 """
 
 import contextlib
