@@ -69,6 +69,7 @@ EXTERNAL = {
     "mkdir": "a shell command, run for real where REAL holds it",
     "ls": "a shell command, run for real where REAL holds it",
     "tail": "a shell command, run for real where REAL holds it",
+    "cut": "a shell command, reading a pipe",
 }
 PYTHONS = {"python", "python3", ".venv/bin/python"}
 LAUNCHERS = ("accelerate launch", ".venv/bin/accelerate launch", "torchrun", "srun", "sbatch", "python", "python3",
@@ -92,14 +93,14 @@ def fenced_blocks(path):
 
 
 def split_commands(line):
-    """A shell line as its commands: comments and a `$ ` prompt dropped, split at && || ;."""
+    """A shell line as its commands: comments and a `$ ` prompt dropped, split at && || ; and a pipe's |."""
     line = re.sub(r"(^|\s)#.*$", "", line).strip()
     line = re.sub(r"^\$\s+", "", line)
     if not line:
         return []
     commands, current = [], []
     for token in shlex.split(line):
-        if token in ("&&", "||", ";"):
+        if token in ("&&", "||", ";", "|"):
             commands.append(current)
             current = []
         else:
