@@ -52,9 +52,14 @@ def load_exported(path):
     return OnnxModel(path), meta
 
 
+def is_exported(model_dir):
+    """Whether a tool's --model_dir names an .onnx file from scripts/export.py."""
+    return Path(model_dir).suffix == ".onnx"
+
+
 def load_model(model_dir):
     """(model, meta, exported) for a tool's --model_dir: an .onnx file from scripts/export.py (`load_exported`), else
     best/, a run's folder or a checkpoint (common.models.load_best_model)."""
-    if Path(model_dir).suffix == ".onnx":
+    if is_exported(model_dir):
         return *load_exported(model_dir), True
     return *load_best_model(model_dir), False

@@ -41,7 +41,7 @@ from common.decode_cache import decode_split  # noqa: E402
 from common.distributed import build_accelerator, prepare_to_evaluate  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.evaluation import evaluate, report_evaluation  # noqa: E402
-from common.exported import load_model  # noqa: E402
+from common.exported import is_exported, load_model  # noqa: E402
 from common.flags import ArgumentParser, add_tta_arg, nonnegative_int, path, positive_int  # noqa: E402
 from common.folders import build_file_dataloader, build_folder_dataset, find_splits  # noqa: E402
 from common.hf import add_hf_args, find_hf_split, hf_options, is_hf  # noqa: E402
@@ -162,7 +162,7 @@ def check_output_dir(args):
     before any work, created if missing."""
     if args.output_dir:
         output_dir = Path(args.output_dir)
-    elif Path(args.model_dir).suffix == ".onnx":
+    elif is_exported(args.model_dir):
         output_dir = Path(args.model_dir).resolve().with_name(f"{Path(args.model_dir).stem}-evaluation")
     else:
         model_dir = model_folder(args.model_dir).resolve()

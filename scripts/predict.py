@@ -105,10 +105,11 @@ def predict(args, *, csv_out=None):
                             tta=args.tta).topk(top_k, dim=1)
         found.append([t.cpu() for t in (batch["index"], batch["ok"], *top)])
     index, ok, values, labels = gather_samples(accelerator, *map(torch.cat, zip(*found)))
+    target = "standard output" if csv_out else args.output
     rows = [[str(paths[i])] + [item for p, c in zip(v, k) for item in (classes[c], f"{p:.6f}")]
             for i, good, v, k in zip(index.tolist(), ok.tolist(), values.tolist(), labels.tolist()) if good]
     if not rows:
-        raise UserError(f"none of the {len(paths)} images could be read (see the lines above); {args.output} was "
+        raise UserError(f"none of the {len(paths)} images could be read (see the lines above); {target} was "
                         "not written")
 
     def write(out):
@@ -128,7 +129,7 @@ def predict(args, *, csv_out=None):
     skipped = len(paths) - len(rows)
     tta = describe_tta(args.tta)
     images = f"{len(rows)} image{'s' * (len(rows) != 1)}"
-    accelerator.print(f"predicted {images}{f' ({tta})' if tta else ''} -> {'standard output' if csv_out else args.output}"
+    accelerator.print(f"predicted {images}{f' ({tta})' if tta else ''} -> {target}"
                       + (f"; skipped {skipped} unreadable" if skipped else ""))
     accelerator.wait_for_everyone()  # and then all together: one that exits while another still works can abort
     accelerator.end_training()  # destroys the process group: exiting with it alive can abort a process

@@ -1064,6 +1064,9 @@ def test_predict_with_no_readable_image_fails_and_writes_nothing(finished_run, t
     result = script("predict.py", "--model_dir", finished_run / "best", "--output", tmp_path / "p.csv", images)
     assert_refused(result, "none of the 2 images could be read", "truncated.png", "not_an_image.png")
     assert not (tmp_path / "p.csv").exists()
+    piped = script("predict.py", "--model_dir", finished_run / "best", "--output", "-", images)  # nor a header
+    assert_refused(piped, "none of the 2 images could be read", "standard output was not written")
+    assert "file,class_1" not in piped.output
 
 
 @pytest.mark.slow
