@@ -76,6 +76,8 @@ def main(args):
     if str(args.output) != "-":
         return predict(args)
     csv_out = sys.stdout
+    if csv_out is None:  # started with it closed (>&-): Python has no stream for it
+        raise UserError("--output -: standard output is closed here; give a file name, e.g. --output predictions.csv")
     with contextlib.redirect_stdout(sys.stderr):
         return predict(args, csv_out=csv_out)
 

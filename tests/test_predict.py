@@ -143,6 +143,11 @@ def test_two_processes_predict_row_for_row_what_one_process_does(digits_run, tmp
     assert piped.stdout == (tmp_path / "two.csv").read_text(), piped.output
     assert "predicted 450 images -> standard output; skipped 1 unreadable\n" in piped.stderr, piped.stderr
     assert not (tmp_path / "-").exists()
+    closed = run_command(["bash", "-c", f'"$0" "$@" >&-', sys.executable, REPO / "scripts" / "predict.py", "--model_dir",
+                          digits_run, "--output", "-", tmp_path / "images"], cwd=tmp_path)
+    assert closed.returncode == 2 and "Traceback" not in closed.stderr, closed.stderr
+    assert "error: --output -: standard output is closed here; give a file name" in closed.stderr, closed.stderr
+    assert not (tmp_path / "-").exists()
 
 
 def export(*args):
