@@ -53,8 +53,10 @@ def load_exported(path):
 
 
 def is_exported(model_dir):
-    """Whether a tool's --model_dir names an .onnx file from scripts/export.py."""
-    return Path(model_dir).suffix == ".onnx"
+    """Whether a tool's --model_dir names an .onnx file from scripts/export.py (which takes the suffix in any case);
+    a folder so named is a best/ or run folder."""
+    path = Path(model_dir)
+    return path.suffix.lower() == ".onnx" and not path.is_dir()
 
 
 def load_model(model_dir):

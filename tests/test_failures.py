@@ -875,6 +875,15 @@ def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monk
     with pytest.raises(UserError, match="needs onnxruntime to run, and it is not installed: pip install -r "
                                         "requirements-export.txt"):
         load_exported(onnx)
+    # export.py takes the suffix in any case, so the tools do; a best/ folder named so is a folder
+    from common.exported import load_model
+
+    shouting = onnx.rename(tmp_path / "MODEL.ONNX")
+    onnx.with_suffix(".json").rename(shouting.with_suffix(".json"))
+    with pytest.raises(UserError, match="needs onnxruntime"):
+        load_model(shouting)
+    folder = shutil.copytree(digits_run / "best", tmp_path / "digits.onnx")
+    assert load_model(folder)[1:] == (meta, False)
 
 
 def test_a_resumed_run_refuses_a_typed_flag_even_at_its_default_value():
