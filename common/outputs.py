@@ -19,7 +19,7 @@ from accelerate.utils import broadcast_object_list
 from filelock import SoftFileLease, Timeout
 
 from .errors import UserError
-from .images import run_files
+from .images import is_hidden, run_files
 
 # a folder holding one of these holds a run; the others are written by a run too, and go aside with it
 RUN_FILES = ("metrics.jsonl", "checkpoints", "best", "classification_report.json")
@@ -34,8 +34,10 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     output_dir = Path(output_dir)
     check_not_inside(output_dir, inputs, flag="--output_dir")
     check_not_in_a_run(output_dir, flag="--output_dir")
+    check_not_nested(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file: choose a folder (it is created if missing)")
+    check_foreign_files(output_dir, accelerator)
     problem = None
     if accelerator.is_main_process:
         try:
@@ -147,10 +149,50 @@ def remove_leftovers(output_dir):
 
 
 def earlier_run(output_dir):
-    """The RUN_FILES in `output_dir`; a checkpoints/ folder without `latest` holds no checkpoint, only leftovers."""
+    """The RUN_FILES in `output_dir`; a checkpoints/ folder without `latest` holds no checkpoint, only leftovers, and
+    a best/ without meta.json is not ours."""
     output_dir = Path(output_dir)
     return [name for name in RUN_FILES if (output_dir / name).exists()
-            and (name != "checkpoints" or has_checkpoint(output_dir))]
+            and (name != "checkpoints" or has_checkpoint(output_dir))
+            and (name != "best" or (output_dir / "best" / "meta.json").is_file())]
+
+
+# what a run that died before its first epoch's end leaves in its folder (its trackers' logs, checkpoints/ without a
+# checkpoint, the earlier run it set aside): a folder holding these is still a run's
+LEFT_BEFORE_A_RUN = ("logs", "checkpoints", PREVIOUS_RUN)
+
+
+def check_foreign_files(output_dir, accelerator):
+    """In a folder without a run (`earlier_run`), a file or folder of the user's named as a run's output (their
+    report.html, a best/ of their own, a dataset's test/) would be replaced: refused. Others stay beside the run's
+    outputs, with a line (a scheduler's log is often written there before the run starts)."""
+    if not output_dir.is_dir() or earlier_run(output_dir):
+        return
+    foreign = sorted(entry.name for entry in os.scandir(output_dir) if not is_hidden(entry.name) and not (
+        entry.name in LEFT_BEFORE_A_RUN and entry.is_dir() and (entry.name == PREVIOUS_RUN
+                                                                or not earlier_run(entry.path))))
+    replaced = [name for name in foreign if name in RUN_OUTPUTS]
+    if replaced:
+        raise UserError(f"--output_dir {output_dir} holds {', '.join(replaced)}, which no run wrote there (it holds "
+                        "no metrics.jsonl, best/meta.json or checkpoint) and a run would replace: choose a new or "
+                        f"empty folder (it is created), e.g. --output_dir {output_dir / 'run'}, or move "
+                        f"{'them' if len(replaced) > 1 else 'it'} away.")
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        accelerator.print(f"note: --output_dir {output_dir} already holds files of yours ({shown}): the run writes "
+                          "its outputs beside them and leaves them as they are")
+
+
+def check_not_nested(output_dir):
+    """Not in a run's own folders (RUN_OUTPUTS, previous_run/: logs/, test/, ...), which that run sets aside with its
+    other outputs, and deletes, when it is run again with --overwrite."""
+    resolved = Path(output_dir).resolve()
+    for folder in (resolved, *resolved.parents):
+        if folder.name in (*RUN_OUTPUTS, PREVIOUS_RUN) and earlier_run(folder.parent):
+            raise UserError(f"--output_dir {output_dir} {'is' if folder == resolved else 'is inside'} {folder}, the "
+                            f"{folder.name}/ of the run in {folder.parent}, which that run sets aside and deletes with "
+                            "its other outputs when it is run again with --overwrite. Choose a place outside it, e.g. "
+                            f"--output_dir {folder.parent / 'runs' / resolved.name}.")
 
 
 def has_checkpoint(output_dir):

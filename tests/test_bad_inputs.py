@@ -1027,6 +1027,37 @@ def test_overwrite_that_succeeds_replaces_the_whole_run(finished_run):
 
 
 @pytest.mark.slow
+def test_a_run_never_replaces_files_of_the_users_nor_starts_inside_another_runs_folders(finished_run, tmp_path):
+    """A folder of the user's with files named as a run's outputs (their report.html, a best/ of photos, a dataset's
+    test/) is refused, not written over; other files stay beside the run's, with a line. A run inside another run's
+    own folders (previous_run/, logs/, ...) is refused: that run's next --overwrite would set it aside and delete it."""
+    quick = ("--dataset", "digits", "--epochs", 1, "--max_steps", 2, "--no-find_label_issues")
+    mine = tmp_path / "mine"
+    (mine / "best").mkdir(parents=True)
+    (mine / "best" / "photo.jpg").write_bytes(b"a photo")
+    (mine / "report.html").write_text("my notes")
+    before = snapshot(mine)
+    for flags in ((), ("--overwrite",), ("--resume", "auto")):
+        assert_refused(script("train_mnist.py", *quick, *flags, "--output_dir", mine),
+                       f"--output_dir {mine} holds best, report.html, which no run wrote there", "move them away")
+        assert snapshot(mine) == before and sorted(p.name for p in mine.iterdir()) == ["best", "report.html"]
+    for inside in ("previous_run", "logs/tensorboard-run", "test"):
+        nested = finished_run / inside
+        assert_refused(script("train_mnist.py", *quick, "--output_dir", nested),
+                       f"the {Path(inside).parts[0]}/ of the run in {finished_run}, which that run sets aside and "
+                       "deletes with its other outputs when it is run again with --overwrite",
+                       f"--output_dir {finished_run / 'runs' / nested.name}")
+        assert not (finished_run / Path(inside).parts[0]).exists()
+    (mine / "best").rename(tmp_path / "photos")
+    (mine / "report.html").rename(mine / "notes.html")
+    result = script("train_mnist.py", *quick, "--output_dir", mine)
+    assert result.returncode == 0, result.output
+    assert (f"note: --output_dir {mine} already holds files of yours (notes.html): the run writes its outputs beside "
+            "them and leaves them as they are") in result.output
+    assert (mine / "notes.html").read_text() == "my notes" and (mine / "best" / "meta.json").is_file()
+
+
+@pytest.mark.slow
 def test_predict_never_writes_over_an_input_or_a_foreign_file(finished_run, tmp_path):
     images = tmp_path / "imgs"
     images.mkdir()
