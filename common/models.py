@@ -3,6 +3,7 @@ trained model is: its description (best/meta.json), best/ written and read back.
 
 import json
 import math
+import os
 import pickle
 import re
 import time
@@ -325,11 +326,16 @@ def read_pretrained(name, source):
     if source == "hub":
         import timm
 
+        from .hf import offline_unless_reachable
+
+        unreachable = None if os.environ.get("HF_HUB_OFFLINE") == "1" else offline_unless_reachable()
         try:
             state_dict = timm.create_model(name, pretrained=True).state_dict()
         except Exception as error:  # offline, no such weights, hub errors: all mean "use a file"
-            raise UserError(f"--pretrained hub: could not fetch ImageNet weights for {name} ({type(error).__name__}: "
-                            f"{error}). Offline, download them elsewhere and pass --pretrained FILE.") from None
+            why = (f"the Hub is out of reach here ({unreachable}) and they are not in the local cache" if unreachable
+                   else f"{type(error).__name__}: {error}")
+            raise UserError(f"--pretrained hub: could not fetch ImageNet weights for {name} ({why}). Offline, "
+                            "download them elsewhere and pass --pretrained FILE.") from None
     else:
         path = Path(source)
         if not path.is_file():
