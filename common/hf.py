@@ -296,6 +296,11 @@ def _choose(splits, data_dir, *, train_split, val_split, image_column, label_col
     train_name = _split_name(splits, train_split, ("train",), "--train_split", data_dir)
     val_name = (_split_name(splits, val_split, (), "--val_split", data_dir) if val_split is not None
                 else next((name for name in VAL_SPLITS if name in splits and name != train_name), None))
+    if val_name == train_name:
+        raise UserError(f"--val_split {val_name!r} is the split that trains (--train_split): the run would score, and "
+                        "choose best/ on, the images it learns from. Name another of its splits ("
+                        f"{', '.join(map(repr, splits))}), or leave --val_split out: a split named "
+                        f"{' or '.join(VAL_SPLITS)} validates, else --val_fraction of {train_name!r}")
     train = splits[train_name]
     image_column = _column(train, image_column, "Image", "--image_column", data_dir, train_name)
     label_column = _column(train, label_column, "ClassLabel", "--label_column", data_dir, train_name)

@@ -251,6 +251,9 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
     refused(f"hf:{saved}", r"split 'train' has no column 'image' \(--image_column\); its columns: img \(Image\), "
                            r"species \(ClassLabel\)", image_column="image")
     refused(f"hf:{saved}", r"--image_column and --label_column are both 'img'", label_column="img")
+    for options in ({"val_split": "train"}, {"train_split": "test", "val_split": "test"}):
+        refused(f"hf:{saved}", rf"--val_split '{options['val_split']}' is the split that trains \(--train_split\): "
+                               r"the run would score, and choose best/ on, the images it learns from", **options)
     refused(f"hf:{saved}", r"split 'train' column 'species' \(--image_column\) holds ClassLabel\(.*\), not images "
                            r"\(an Image feature, encoded bytes or file paths\)", image_column="species", label_column="img")
     refused("hf:nobody/no-such-dataset", r"cannot load hf:nobody/no-such-dataset, read as a dataset name on the Hub "

@@ -111,6 +111,17 @@ def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
     assert kept == [0, 1] and [path for path, _ in bad] == [truncated, garbage]
     assert cache.shape == (4, 3, 40, 40) and cache.dtype == torch.uint8  # a row for each file, read with kept
     assert cache[kept].float().mean() > 10 and not cache[2:].any()
+    # a class whose every image is unreadable is not left out, which would hide it from the run and its scores
+    from common.folders import build_folder_dataset
+
+    split = {"files": [*good, truncated, garbage], "labels": [0, 0, 1, 1], "classes": ["Maize", "Weed"],
+             "name": "train", "root": tmp_path}
+    with pytest.raises(UserError, match=rf"class Weed: none of its 2 train images can be read \(e\.g\. "
+                                        rf"{re.escape(str(truncated))}: .*\), so --skip_bad_images would leave the class "
+                                        "out of the run, which could neither learn nor score it"):
+        build_folder_dataset(split, transform=None, skip_bad_images=True)
+    split["labels"] = [0, 1, 0, 1]
+    assert len(build_folder_dataset(split, transform=None, skip_bad_images=True)) == 2
 
 
 def test_a_cache_half_written_by_a_killed_run_of_this_machine_is_removed_and_a_running_ones_is_kept(tmp_path,
