@@ -78,6 +78,11 @@ def names_the_last_checkpoint(method):
             return method(self, *args, **kwargs)
         except WriteFailed as error:
             latest = latest_checkpoint(self.output_dir / "checkpoints")
+            if getattr(self, "_reporting", False):  # finish(): training is over, and saved
+                error.fix = (f"Training is finished and saved (best/, the last checkpoint {latest}); only its final "
+                             "reports are missing: free some space, then python scripts/evaluate.py --model_dir "
+                             f"{self.output_dir} writes best/'s (a --resume of a finished run has nothing to do).")
+                raise
             error.fix = (f"The last complete checkpoint is {latest}: free some space, then run the same command "
                          "with --resume latest (or auto) to continue from it." if latest else "The run has no "
                          "checkpoint yet: free some space, then run the same command with --resume auto (or "
@@ -369,7 +374,7 @@ class TrainingRun:
         writes_at = time.perf_counter()
         trained_at = self._trained_at or writes_at  # a script of the user's own may not train through epochs()
         finish_writes()  # the last checkpoint and best/ on the disk
-        reports_at = time.perf_counter()
+        self._reporting, reports_at = True, time.perf_counter()
         report = write_reports(accelerator, self.output_dir, evaluation=evaluation, class_names=class_names)
         if accelerator.is_main_process:
             accelerator.print(f"classification report of the model after epoch {self.epoch - 1} "

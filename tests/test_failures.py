@@ -747,6 +747,27 @@ def test_best_written_while_training_goes_on_holds_the_weights_and_predictions_o
         "index,label,prediction,probability", "0,cat,cat,0.900000", "1,dog,dog,0.800000", "2,dog,cat,0.600000"]
 
 
+def test_a_full_disk_at_the_final_reports_says_training_is_saved_and_what_writes_them(tmp_path, monkeypatch):
+    """The run's message named --resume latest, which refuses a finished run: it names evaluate.py, which works."""
+    import common.run
+    from common.outputs import WriteFailed
+
+    def full(accelerator, output_dir, **kwargs):
+        raise WriteFailed(output_dir / "classification_report.txt", "No space left on device")
+
+    output_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(common.run, "write_reports", full)
+        result = script("train_mnist.py", "--dataset", "digits", "--epochs", 1, "--output_dir", output_dir)
+    latest = output_dir / "checkpoints" / (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output
+    assert (f"Training is finished and saved (best/, the last checkpoint {latest}); only its final reports are "
+            f"missing: free some space, then python scripts/evaluate.py --model_dir {output_dir} writes best/'s"
+            in result.output), result.output
+    evaluated = script("evaluate.py", "--model_dir", output_dir)
+    assert evaluated.returncode == 0 and (output_dir / "evaluation" / "report.html").is_file(), evaluated.output
+
+
 @pytest.mark.slow
 def test_predict_evaluate_and_compute_mean_std_on_a_full_disk_say_so_and_write_nothing(tmp_path, digits_run,
                                                                                        seedlings):
