@@ -315,9 +315,12 @@ def load_pretrained(model, name, source, state_dict=None):
     if not fitting:
         raise UserError(f"--pretrained {source}: none of its tensors fit {name}; are they weights for another model?")
     model.load_state_dict(fitting, strict=False)
-    left_out = sorted(own.keys() - fitting.keys())
+    new = sorted(own.keys() & state_dict.keys() - fitting.keys())  # the classifier, for another class count
+    absent = sorted(own.keys() - state_dict.keys())
     return (f"pretrained weights from {source}: {len(fitting)} of {len(own)} tensors loaded"
-            + (f"; left out (new for this task): {', '.join(left_out)}" if left_out else ""))
+            + (f"; left out (new for this task): {', '.join(new)}" if new else "")
+            + (f"; not in the file, so as initialised: {len(absent)} tensors, e.g. {', '.join(absent[:3])} (weights "
+               f"of another model than {name}?)" if absent else ""))
 
 
 def read_pretrained(name, source):
@@ -338,25 +341,39 @@ def read_pretrained(name, source):
                             "download them elsewhere and pass --pretrained FILE.") from None
     else:
         path = Path(source)
+        if path.is_dir():
+            inside = path / "model.safetensors"  # best/ or an exported folder
+            raise UserError(f"--pretrained {source} is a folder: pass its weights file"
+                            + (f", --pretrained {inside}" if inside.is_file() else " (.safetensors or a state dict)"))
         if not path.is_file():
             raise UserError(f"--pretrained {source}: no such file. Pass a weights file (.safetensors or a PyTorch "
                             "state dict), `hub` to download when online, or leave --pretrained out")
+        not_weights = UserError(f"--pretrained {source}: not a weights file (neither safetensors nor what torch.save "
+                                "writes of a state dict)")
         try:
             if path.suffix == ".safetensors":
                 state_dict = load_file(path)
             else:
                 state_dict = torch.load(path, map_location="cpu", weights_only=True)
-                state_dict = state_dict.get("state_dict", state_dict.get("model", state_dict))
+                if isinstance(state_dict, dict):
+                    state_dict = state_dict.get("state_dict", state_dict.get("model", state_dict))
         except pickle.UnpicklingError as error:  # weights_only refused a class (a whole pickled model), or no pickle
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
             if not found:  # a text file, a web page saved under the name
-                raise UserError(f"--pretrained {source}: not a weights file (neither safetensors nor what torch.save "
-                                "writes)") from None
+                raise not_weights from None
             raise UserError(f"--pretrained {source} holds pickled Python objects ({found.group(1)}), not only tensors: "
                             "it is not loaded, since unpickling can run any code. Save the weights alone, e.g. "
                             "torch.save(model.state_dict(), 'weights.pth'), and pass that file") from None
-        except Exception as error:  # any unreadable file: one message, not a traceback
-            raise UserError(f"--pretrained {source}: not a readable weights file ({error})") from None
+        except OSError as error:
+            raise UserError(f"--pretrained {source}: cannot read it ({error.strerror or error})") from None
+        except Exception:  # any other file (a zip, a text file under .safetensors): one message, not a traceback
+            raise not_weights from None
+        other = (next((f"{key!r} is a {type(value).__name__}" for key, value in state_dict.items()
+                       if not isinstance(value, torch.Tensor)), None) if isinstance(state_dict, dict) and state_dict
+                 else f"a {type(state_dict).__name__}")
+        if other:
+            raise UserError(f"--pretrained {source} is not a state dict (a dict of tensor names to tensors; {other}): "
+                            "save the weights with torch.save(model.state_dict(), 'weights.pth')")
     return state_dict
 
 

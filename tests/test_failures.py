@@ -884,7 +884,17 @@ def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monk
     message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "page",
                       *SMALL_SEEDLINGS, "--pretrained", tmp_path / "page.pth")
     assert message.strip() == (f"error: --pretrained {tmp_path / 'page.pth'}: not a weights file (neither safetensors "
-                               "nor what torch.save writes)")
+                               "nor what torch.save writes of a state dict)")
+    torch.save([torch.zeros(2)], tmp_path / "list.pth")
+    (tmp_path / "passwd.safetensors").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    for given, said in ((tmp_path / "list.pth", " is not a state dict (a dict of tensor names to tensors; a list): "
+                                                "save the weights with torch.save(model.state_dict(), 'weights.pth')"),
+                        (tmp_path / "passwd.safetensors", ": not a weights file (neither safetensors nor"),
+                        (digits_run / "best", f" is a folder: pass its weights file, --pretrained "
+                                              f"{digits_run / 'best' / 'model.safetensors'}")):
+        message = refused("train_seedlings.py", "--data_dir", seedlings, "--output_dir", tmp_path / "w",
+                          *SMALL_SEEDLINGS, "--pretrained", given)
+        assert message.startswith(f"error: --pretrained {given}{said}"), message
 
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"not read: onnxruntime is missing")

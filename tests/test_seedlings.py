@@ -262,8 +262,12 @@ def test_pretrained_weights_from_a_file_leave_out_the_classifier(tmp_path):
     save_file(imagenet.state_dict(), tmp_path / "resnet18.safetensors")
     model = build_model("resnet18", num_classes=12)
     message = load_pretrained(model, "resnet18", tmp_path / "resnet18.safetensors")
-    assert "left out (new for this task): fc.bias, fc.weight" in message
+    assert message.endswith("left out (new for this task): fc.bias, fc.weight")  # every other tensor loaded
     assert torch.equal(model.conv1.weight, imagenet.conv1.weight)
+    deeper = load_pretrained(build_model("resnet34", num_classes=12), "resnet34", tmp_path / "resnet18.safetensors")
+    assert re.search(r"120 of 218 tensors loaded; left out \(new for this task\): fc\.bias, fc\.weight; not in the file, "
+                     r"so as initialised: 96 tensors, e\.g\. layer1\.2\.\S+, .* \(weights of another model than "
+                     r"resnet34\?\)$", deeper), deeper
     with pytest.raises(UserError, match="no such file"):
         load_pretrained(model, "resnet18", tmp_path / "missing.pth")
     with pytest.raises(UserError, match="none of its tensors fit"):
