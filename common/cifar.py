@@ -12,7 +12,8 @@ from .data import InMemoryDataset, check_labels, download_dataset
 from .decode_cache import decode_split
 from .errors import UserError
 from .hf import find_hf_splits, is_hf
-from .images import IMAGE_EXTENSIONS, archive_note, check_classes, folder_entries, list_image_folder
+from .images import (IMAGE_EXTENSIONS, archive_note, check_classes, check_same_classes, folder_entries,
+                     list_image_folder)
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -56,13 +57,11 @@ def build_cifar10(data_dir, *, download=False, accelerator=None, hf_options=None
     kind, path = found
     if kind == "folder":
         held_out = _held_out_folder(path)
-        train = load_image_folder(path / "train", size=(32, 32), accelerator=accelerator)
-        check_classes(train.classes, path / "train")
-        test = load_image_folder(held_out, size=(32, 32), accelerator=accelerator)
-        if train.classes != test.classes:
-            raise UserError(f"{path}/train and {held_out} have different class folders: "
-                            f"{train.classes} vs {test.classes}")
-        return train, test
+        listed = {folder: list_image_folder(folder) for folder in (path / "train", held_out)}  # before any decode
+        check_classes(listed[path / "train"][2], path / "train")
+        check_same_classes(listed[path / "train"][2], path / "train", listed[held_out][2], held_out)
+        return tuple(load_image_folder(folder, size=(32, 32), accelerator=accelerator, listed=listing)
+                     for folder, listing in listed.items())
     return _cifar10_from_batches(kind, path)
 
 
@@ -164,12 +163,13 @@ def _cifar10_from_batches(kind, path):
             dataset(*test))
 
 
-def load_image_folder(root, *, size, accelerator=None):
-    """A `root/<class>/<image>` tree as an InMemoryDataset of RGB images resized to `size` (PIL bilinear), decoded
-    once into the decode cache beside it (ROOT/../.checked-NAME-HxW.npy, shared out among the `accelerator`'s
-    processes): CIFAR-10's 60,000 JPEGs are read back in a second the next time."""
+def load_image_folder(root, *, size, accelerator=None, listed=None):
+    """A `root/<class>/<image>` tree (`listed`: its list_image_folder, if made already) as an InMemoryDataset of RGB
+    images resized to `size` (PIL bilinear), decoded once into the decode cache beside it
+    (ROOT/../.checked-NAME-HxW.npy, shared out among the `accelerator`'s processes): CIFAR-10's 60,000 JPEGs are
+    read back in a second the next time."""
     root = Path(root)
-    files, labels, classes, _ = list_image_folder(root)
+    files, labels, classes, _ = listed or list_image_folder(root)
     return decode_split({"files": files, "labels": labels, "classes": classes, "root": root.parent,
                          "name": root.name}, size=size, accelerator=accelerator)
 

@@ -20,7 +20,7 @@ from .data import InMemoryDataset, build_dataloader, mix_seed
 from .decode_cache import check_images, machine_share, split_record
 from .errors import UserError
 from .hf import find_hf_splits, is_hf
-from .images import check_classes, folder_entries, list_image_folder, read_image, split_dataset
+from .images import check_classes, check_same_classes, folder_entries, list_image_folder, read_image, split_dataset
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -104,10 +104,7 @@ def find_splits(data_dir, *, val_fraction, seed, hf_options=None, fraction_typed
     if has_train:
         train_files, train_labels, classes, skipped = list_image_folder(root / "train")
         val_files, val_labels, val_classes, val_skipped = list_image_folder(root / "val")
-        if val_classes != classes:
-            only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
-            raise UserError(f"{root}/train and {root}/val have different class folders (only in train: "
-                            f"{only_train or 'none'}; only in val: {only_val or 'none'}). Give both the same classes.")
+        check_same_classes(classes, root / "train", val_classes, root / "val")
         check_classes(classes, root / "train")
         splits, skipped = {"train": (train_files, train_labels), "val": (val_files, val_labels)}, skipped + val_skipped
     else:

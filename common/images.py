@@ -149,6 +149,16 @@ def check_classes(classes, root):
                         "folder of images each")
 
 
+def check_same_classes(train_classes, train_root, held_out_classes, held_out_root):
+    """Both splits of a tree have the same class folders: a label is a class's index in the sorted names."""
+    if held_out_classes != train_classes:
+        only_train = sorted(set(train_classes) - set(held_out_classes))
+        only_held_out = sorted(set(held_out_classes) - set(train_classes))
+        raise UserError(f"{train_root} and {held_out_root} have different class folders (only in "
+                        f"{Path(train_root).name}: {only_train or 'none'}; only in {Path(held_out_root).name}: "
+                        f"{only_held_out or 'none'}). Give both the same classes.")
+
+
 def split_dataset(labels, *, val_fraction, seed, classes=None):
     """Stratified (train, val) index lists, as scikit-learn's train_test_split draws them (the seed's makedata.py):
     they depend only on the sorted listing and the seed, so every process and every run agree."""

@@ -587,6 +587,15 @@ def test_cifar_class_folders_with_nothing_to_test_on_say_how_to_hold_some_out(tm
     assert script("split_dataset.py", only_train / "train", tmp_path / "cifar10-split", "--val_fraction",
                   0.1).returncode == 0  # the command it gives works
     assert build_cifar10(tmp_path / "cifar10-split")[1].classes == sorted(p.name for p in only_train.glob("train/*"))
+    # a class renamed in one split: said before any image is decoded (a full CIFAR-10 took its decode first)
+    renamed = shutil.copytree(cifar_jpegs, tmp_path / "renamed")
+    first = sorted(p.name for p in (renamed / "test").iterdir())[0]
+    (renamed / "test" / first).rename(renamed / "test" / f"{first}s")
+    with pytest.raises(UserError, match=re.escape(f"{renamed / 'train'} and {renamed / 'test'} have different class "
+                                                  f"folders (only in train: ['{first}']; only in test: ['{first}s']). "
+                                                  "Give both the same classes.")):
+        build_cifar10(renamed)
+    assert not [p.name for p in renamed.iterdir() if p.name.startswith(".")]
 
 
 def test_cifar_100_is_named_with_how_to_train_it(tmp_path):
