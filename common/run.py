@@ -97,11 +97,19 @@ def count_steps(train_dataloader, *, epochs, max_steps):
     sampler = train_dataloader.batch_sampler
     if sampler.steps_per_epoch == 0:
         images, batch_size, per_step = sampler.num_samples, sampler.batch_size, sampler.per_step
+        processes = per_step // sampler.accumulation
+        if images >= per_step:
+            fix = f"Lower --batch_size (to {images // per_step} at most)" + (
+                ", --grad_accum, or launch fewer processes" if processes > 1 else " or --grad_accum")
+        elif images >= processes:
+            fix = (f"Even at --batch_size 1 they make too few: lower --grad_accum (to {images // processes} at most)"
+                   + (" or launch fewer processes" if processes > 1 else ""))
+        else:
+            fix = f"Give it at least {processes} training images, or launch fewer processes"
         raise UserError(f"{images} training images make {images // batch_size} full batch(es) of --batch_size "
                         f"{batch_size}, fewer than the {per_step} of one optimizer step "
-                        f"({per_step // sampler.accumulation} process(es) x {sampler.accumulation} accumulation "
-                        f"step(s)): nothing would be trained. Lower --batch_size (to {max(1, images // per_step)} at "
-                        "most), --grad_accum, or launch fewer processes.")
+                        f"({processes} process(es) x {sampler.accumulation} accumulation step(s)): nothing would be "
+                        f"trained. {fix}.")
     return min(epochs * sampler.steps_per_epoch, max_steps or math.inf)
 
 

@@ -115,12 +115,15 @@ def main(args):
         program.save(str(tmp))
         checked[:] = compare(model, OnnxModel(tmp), images, meta)
         worst, disagree, count = checked
-        if not count or worst > args.tolerance or disagree:
-            problem = ("none of --check_images could be read" if not count else
-                       f"on {count} images the largest logit difference is {worst:.2e} (tolerance "
-                       f"{args.tolerance:g}) and {disagree} top-1 classes differ")
-            raise UserError(f"the export does not match the PyTorch model: {problem}; nothing was written. Check the "
-                            "model with predict.py, or raise --tolerance if the difference is acceptable")
+        if not count:
+            raise UserError(f"none of the {len(paths)} --check_images could be read as an image, so the export could "
+                            "not be checked against the PyTorch model; nothing was written. Pass images that open, "
+                            "e.g. a few of the validation images")
+        if worst > args.tolerance or disagree:
+            raise UserError(f"the export does not match the PyTorch model: on {count} images the largest logit "
+                            f"difference is {worst:.2e} (tolerance {args.tolerance:g}) and {disagree} top-1 classes "
+                            "differ; nothing was written. Check the model with predict.py, or raise --tolerance if "
+                            "the difference is acceptable")
 
     checked = []
     write_atomically(output, save_checked)

@@ -858,6 +858,12 @@ def test_a_split_too_small_for_every_process_to_get_a_batch_is_one_message(tmp_p
             "--grad_accum, or launch fewer processes.") in result.output
     assert "Traceback" not in result.output.split("Root Cause")[1], result.output
     assert not list(socket_tmpdir.glob("pymp-*"))
+    # accumulation steps that no batch size can fill: the fix is fewer of them (it said "--batch_size (to 1 at most)")
+    message = refused(SEEDLINGS.name, "--data_dir", seedlings, "--output_dir", tmp_path / "one", "--model",
+                      "test_resnet", "--image_size", 32, "--batch_size", 4, "--grad_accum", 100)
+    assert ("59 training images make 14 full batch(es) of --batch_size 4, fewer than the 100 of one optimizer step (1 "
+            "process(es) x 100 accumulation step(s)): nothing would be trained. Even at --batch_size 1 they make too "
+            "few: lower --grad_accum (to 59 at most).") in message, message
 
 
 def test_careless_commands_get_one_message(tmp_path, seedlings, digits_run, monkeypatch):

@@ -198,6 +198,13 @@ def test_an_onnx_export_predicts_the_same_top_1_as_pytorch_on_the_digits_test_im
             in failed.output and "nothing was written" in failed.output)
     assert onnx.stat().st_ino == inode and onnx.with_suffix(".json").is_file()
     assert not [p for p in onnx.parent.iterdir() if p.name.startswith(".")]  # nor a temporary file beside it
+    (tmp_path / "empty.png").touch()  # no image that opens: nothing to check against, not "does not match"
+    failed = export("--model_dir", digits_run / "best", "--output", onnx, "--check_images", tmp_path / "empty.png",
+                    "--overwrite")
+    assert failed.returncode == 2 and ("error: none of the 1 --check_images could be read as an image, so the export "
+                                       "could not be checked against the PyTorch model; nothing was written. Pass "
+                                       "images that open") in failed.output, failed.output
+    assert onnx.stat().st_ino == inode
     onnx.with_suffix(".json").unlink()
     result = predict("--model_dir", onnx, "--output", tmp_path / "x.csv", tmp_path / "images")
     assert result.returncode == 2 and f"{onnx.with_suffix('.json')} is missing" in result.output
