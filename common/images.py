@@ -54,15 +54,26 @@ def list_image_folder(root):
         entries = [root / name / entry for entry, kind in listed if kind == "file"]
         images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
         if not images:
-            nested = any(kind == "dir" for _, kind in listed)  # most often: --data_dir one level too high
-            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})"
-                            + (f" but folders: did you mean --data_dir {root / name}? (a class's images are read "
-                               "from its folder itself, not from folders inside it)" if nested else ""))
+            nested = [entry for entry, kind in listed if kind == "dir"]
+            holding = [any(kind == "file" and Path(entry).suffix.lower() in IMAGE_EXTENSIONS
+                           for entry, kind in folder_entries(root / other)) for other in classes if other != name]
+            grouped = nested and sum(holding) > len(holding) / 2  # else most often: --data_dir one level too high
+            raise UserError(f"class folder {root / name} has no images ({', '.join(IMAGE_EXTENSIONS)})" + (
+                f", only folders ({', '.join(nested[:3])}{', ...' if len(nested) > 3 else ''}), where most other "
+                "class folders hold their images: a class's images are read from its folder itself, not from folders "
+                f"inside it. Move them up into {root / name}, or make each of those folders a class of its own"
+                if grouped else f" but folders: did you mean --data_dir {root / name}? (a class's images are read "
+                "from its folder itself, not from folders inside it)" if nested else ""))
         files += images
         labels += [label] * len(images)
         skipped += [p for p in entries if p.suffix.lower() not in IMAGE_EXTENSIONS]
         skipped += [root / name / entry for entry, kind in listed if kind == "dir"]
     return files, labels, classes, skipped
+
+
+# what list_image_folder's `skipped` are, for the line that says how many were left out
+SKIPPED = ("files that are not images or folders inside a class folder (a class's images are those in its folder "
+           "itself)")
 
 
 def run_files(folder):

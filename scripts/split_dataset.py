@@ -25,6 +25,7 @@ except ModuleNotFoundError as missing:
 common.errors.on_another_version_of_common(__file__)
 from common.errors import UserError, refuse_several_processes, run_main  # noqa: E402
 from common.flags import ArgumentParser, number, path, seed  # noqa: E402
+from common.images import SKIPPED  # noqa: E402
 from common.tools import write_split  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main(args):
         print(f"{name:<{width}}  {counts['train'][label]:5d}  {counts['val'][label]:5d}")
     print(f"{'total':<{width}}  {sum(counts['train'].values()):5d}  {sum(counts['val'].values()):5d}   -> "
           f"{args.target}/train, {args.target}/val"
-          + (f"; left out {len(skipped)} files or folders that are not images" if skipped else ""))
+          + (f"; left out {len(skipped)} {SKIPPED}, e.g. {skipped[0]}" if skipped else ""))
 
 
 if __name__ == "__main__":

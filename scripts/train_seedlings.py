@@ -58,7 +58,7 @@ from common.folders import (balanced_class_weights, balanced_sampling_weights, b
                             build_folder_dataset, build_train_transform, choose_cache, choose_num_workers,
                             find_splits, random_resized_crop, read_mean_std, training_cache)
 from common.hf import add_hf_args, find_hf_stream, hf_options  # noqa: E402
-from common.images import build_eval_transform  # noqa: E402
+from common.images import SKIPPED, build_eval_transform  # noqa: E402
 from common.models import (build_ema, build_model, check_batch_norm, check_model_name, describe_model,  # noqa: E402
                            load_pretrained, read_pretrained)
 from common.optim import build_lr_scheduler, fused_on_cpu, scale_lr  # noqa: E402
@@ -181,7 +181,7 @@ def main(args):
         weights = balanced_sampling_weights(train_set.labels) if args.sampler == "balanced" else None
         train_dataloader = build_file_dataloader(train_set, num_workers=num_workers, batch_sampler=MicroBatches(
             len(train_set), batch_size=args.batch_size, seed=args.seed, accelerator=accelerator, weights=weights))
-        for name, left_out in (("files or folders that are not images", skipped),
+        for name, left_out in ((SKIPPED, skipped),
                                ("unreadable train images", train_set.left_out),
                                ("unreadable val images", eval_set.left_out)):
             if left_out:

@@ -710,7 +710,19 @@ def test_a_zip_from_macos_trains_on_its_classes_and_a_folder_inside_a_class_is_l
     assert skipped == [data / "Maize" / "more"] and len(train["files"]) + len(val["files"]) == 85
     result = script("split_dataset.py", data, tmp_path / "split")
     assert result.returncode == 0, result.output
-    assert "left out 1 files or folders that are not images" in result.output
+    assert (f"left out 1 files that are not images or folders inside a class folder (a class's images are those in "
+            f"its folder itself), e.g. {data / 'Maize' / 'more'}") in result.output, result.output
+    # a class whose images are all in folders of its own, where the others hold theirs: not "--data_dir too high"
+    grouped = shutil.copytree(data, tmp_path / "grouped", ignore=shutil.ignore_patterns("__MACOSX"))
+    (grouped / "Maize" / "2019").mkdir()
+    for path in (grouped / "Maize").glob("*.png"):
+        path.rename(grouped / "Maize" / "2019" / path.name)
+    with pytest.raises(UserError, match=re.escape(
+            f"class folder {grouped / 'Maize'} has no images (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff), only "
+            "folders (2019, more), where most other class folders hold their images: a class's images are read from "
+            f"its folder itself, not from folders inside it. Move them up into {grouped / 'Maize'}, or make each of "
+            "those folders a class of its own")):
+        find_splits(grouped, val_fraction=0.3, seed=42)
     assert sorted(p.name for p in (tmp_path / "split" / "train").iterdir()) == classes
     # predict.py and export.py on the folder: its images, the one in the class's folder among them, not the forks
     found = find_images([data])
