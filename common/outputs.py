@@ -5,6 +5,7 @@ a file is replaced only by a rename of its complete successor (`write_atomically
 """
 
 import atexit
+import errno
 import os
 import re
 import shutil
@@ -306,15 +307,19 @@ def check_ours(folder, *, marker, flag):
 # ---- the one writer ----
 
 class WriteFailed(UserError):
-    """A file or folder could not be written (a full disk, a quota, permissions); `fix` says what to do."""
+    """A file or folder could not be written (a full disk, a quota, permissions); `fix` says what to do, `remedy` the
+    part of it for this cause: free some space, or (`denied`: read-only, permissions) write somewhere else."""
 
-    def __init__(self, path, reason, fix="Free some space (or choose another place) and run the command again."):
+    def __init__(self, path, reason, *, denied=False):
         super().__init__(path, reason)
-        self.path, self.reason, self.free, self.fix = path, reason, _free_space(path), fix
+        self.path, self.reason, self.free, self.denied = path, reason, _free_space(path), denied
+        self.remedy = "make it writable, or choose a place you can write to" if denied else "free some space"
+        self.fix = ("Make it writable, or choose a place you can write to, and run the command again." if denied
+                    else "Free some space (or choose another place) and run the command again.")
 
     def __str__(self):
-        return (f"cannot write {self.path}: {self.reason} ({self.free} free there). Nothing half-written was left. "
-                + self.fix)
+        space = "" if self.denied else f" ({self.free} free there)"
+        return f"cannot write {self.path}: {self.reason}{space}. Nothing half-written was left. " + self.fix
 
 
 def write_atomically(path, write, *, later=False):
@@ -382,7 +387,8 @@ def failed_write_is_said(path):
             reason = f"the disk stopped the write short, full at that moment ({' '.join(str(error).split())})"
         if reason is None:
             raise
-        raise WriteFailed(path, reason) from None
+        denied = getattr(error, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM)  # not for want of space
+        raise WriteFailed(path, reason, denied=denied) from None
 
 
 # what PyTorch's zip writer and safetensors say when the disk refused a write, without saying why

@@ -80,12 +80,12 @@ def names_the_last_checkpoint(method):
             latest = latest_checkpoint(self.output_dir / "checkpoints")
             if getattr(self, "_reporting", False):  # finish(): training is over, and saved
                 error.fix = (f"Training is finished and saved (best/, the last checkpoint {latest}); only its final "
-                             "reports are missing: free some space, then python scripts/evaluate.py --model_dir "
+                             f"reports are missing: {error.remedy}, then python scripts/evaluate.py --model_dir "
                              f"{self.output_dir} writes best/'s (a --resume of a finished run has nothing to do).")
                 raise
-            error.fix = (f"The last complete checkpoint is {latest}: free some space, then run the same command "
+            error.fix = (f"The last complete checkpoint is {latest}: {error.remedy}, then run the same command "
                          "with --resume latest (or auto) to continue from it." if latest else "The run has no "
-                         "checkpoint yet: free some space, then run the same command with --resume auto (or "
+                         f"checkpoint yet: {error.remedy}, then run the same command with --resume auto (or "
                          "--overwrite) to start it again.")
             raise
 

@@ -860,6 +860,10 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
                        "cannot write to --output_dir", "Read-only file system")
         assert_refused(script("benchmark_folders.py", "--work_dir", read_only / "work"),
                        f"error: cannot write to --work_dir {read_only / 'work'} (Read-only file system)")
+        message = refused("split_dataset.py", seedlings, read_only / "split")  # not "free some space" there
+        assert message == (f"error: cannot write {read_only / 'split'}: Read-only file system. Nothing half-written "
+                           "was left. Make it writable, or choose a place you can write to, and run the command "
+                           "again.\n"), message
     finally:
         subprocess.run(["umount", read_only])
 
