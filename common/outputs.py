@@ -38,6 +38,9 @@ def prepare_output_dir(output_dir, *, overwrite, resume, inputs, accelerator):
     check_not_nested(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file: choose a folder (it is created if missing)")
+    if output_dir.is_symlink() and not output_dir.exists():
+        raise UserError(f"--output_dir {output_dir} is a link to {os.readlink(output_dir)}, which does not exist "
+                        "(a disk not mounted?): create that folder, or choose another --output_dir")
     check_foreign_files(output_dir, accelerator)
     problem = None
     if accelerator.is_main_process:

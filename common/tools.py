@@ -116,7 +116,9 @@ def write_split(source, target, *, val_fraction=0.3, seed=42, place=shutil.copy2
     per class index, the entries left out as not images)."""
     source, target = Path(source), Path(target)
     check_not_inside(target, [source], flag="target")  # the next listing would take train/ and val/ for classes
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{target} is a file: choose a new folder to write the split into (it is created)")
+    if target.exists() and any(target.iterdir()):
         raise UserError(f"{target} exists and is not empty: choose a new folder, or remove it first")
     if (source / "train").is_dir() and (source / "val").is_dir():
         raise UserError(f"{source} is already split into train/ and val/: train on it as it is")

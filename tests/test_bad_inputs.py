@@ -849,6 +849,10 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
         assert_refused(script(*tool, "--work_dir", tmp_path / "file"),
                        f"error: --work_dir {tmp_path / 'file'} is a file: choose a folder (it is created if missing)")
     assert (tmp_path / "file").read_text() == "notes"
+    (tmp_path / "scratch").symlink_to(tmp_path / "unmounted" / "scratch")  # it said "cannot write (File exists)"
+    assert_refused(script("train_mnist.py", "--dataset", "digits", "--output_dir", tmp_path / "scratch"),
+                   f"error: --output_dir {tmp_path / 'scratch'} is a link to {tmp_path / 'unmounted' / 'scratch'}, "
+                   "which does not exist (a disk not mounted?): create that folder, or choose another --output_dir")
     if os.geteuid() != 0:
         pytest.skip("mounting a read-only filesystem needs root")
     read_only = tmp_path / "ro"

@@ -57,6 +57,11 @@ def test_split_dataset_tool_writes_the_same_split_without_loss_or_duplicates(see
 
     again = script("split_dataset.py", seedlings, target)
     assert again.returncode == 2 and "exists and is not empty" in again.output
+    (tmp_path / "notes.txt").write_text("mine")
+    onto_a_file = script("split_dataset.py", seedlings, tmp_path / "notes.txt")
+    assert onto_a_file.returncode == 2 and (f"error: {tmp_path / 'notes.txt'} is a file: choose a new folder to write "
+                                            "the split into") in onto_a_file.output, onto_a_file.output
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_compute_mean_std_is_exact(seedlings, tmp_path):
