@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import stat
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def archive_note(path):
 
 
 def list_image_folder(root):
-    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the files that are not images
-    and the folders inside a class folder (a class's images are those in its folder itself, as the layout says)."""
+    """`root/<class>/<image>` -> (files, labels, classes, skipped), sorted; `skipped` are the images beside the class
+    folders, the files that are not images and the folders inside a class folder (a class's images are those in its
+    folder itself, as the layout says)."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} {'is not a folder' + archive_note(root) if root.exists() else 'not found'}: "
@@ -48,7 +50,8 @@ def list_image_folder(root):
                  if any(n.startswith(("data_batch_", "cifar-10-")) for n in names) else None)
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png"
                         + (f" (it holds {other})" if other else ""))
-    files, labels, skipped = [], [], []
+    files, labels = [], []
+    skipped = [root / name for name, kind in entries if kind == "file" and Path(name).suffix.lower() in IMAGE_EXTENSIONS]
     for label, name in enumerate(classes):
         listed = sorted(folder_entries(root / name))
         entries = [root / name / entry for entry, kind in listed if kind == "file"]
@@ -72,8 +75,8 @@ def list_image_folder(root):
 
 
 # what list_image_folder's `skipped` are, for the line that says how many were left out
-SKIPPED = ("files that are not images or folders inside a class folder (a class's images are those in its folder "
-           "itself)")
+SKIPPED = ("files that are not images, folders inside a class folder or images beside the class folders (a class's "
+           "images are those in its folder itself)")
 
 
 def run_files(folder):
@@ -220,6 +223,11 @@ def stratified_split(labels, *, test_fraction, seed):
         train.extend(shuffled[:first])
         test.extend(shuffled[first:first + then])
     return rng.permutation(train), rng.permutation(test)
+
+
+# Pillow warns of images between MAX_IMAGE_PIXELS and twice that (a 144-megapixel scan), each time and with its own
+# file and line: they open, and are resized like any other. Above twice, read_image's own message says what to do.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def read_image(path, *, channels=3):

@@ -708,10 +708,14 @@ def test_a_zip_from_macos_trains_on_its_classes_and_a_folder_inside_a_class_is_l
     train, val, classes, skipped = find_splits(data, val_fraction=0.3, seed=42)
     assert classes == sorted(p.name for p in (ODD_IMAGES.parent / "seedlings").iterdir())
     assert skipped == [data / "Maize" / "more"] and len(train["files"]) + len(val["files"]) == 85
+    shutil.copy(first, data / "stray.png")  # an image beside the class folders: in no class, and said so
+    assert find_splits(data, val_fraction=0.3, seed=42)[3] == [data / "stray.png", data / "Maize" / "more"]
     result = script("split_dataset.py", data, tmp_path / "split")
     assert result.returncode == 0, result.output
-    assert (f"left out 1 files that are not images or folders inside a class folder (a class's images are those in "
-            f"its folder itself), e.g. {data / 'Maize' / 'more'}") in result.output, result.output
+    assert ("left out 2 files that are not images, folders inside a class folder or images beside the class folders "
+            f"(a class's images are those in its folder itself), e.g. {data / 'stray.png'}") in result.output, \
+        result.output
+    (data / "stray.png").unlink()
     # a class whose images are all in folders of its own, where the others hold theirs: not "--data_dir too high"
     grouped = shutil.copytree(data, tmp_path / "grouped", ignore=shutil.ignore_patterns("__MACOSX"))
     (grouped / "Maize" / "2019").mkdir()

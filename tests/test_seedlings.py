@@ -299,7 +299,7 @@ def test_two_processes_with_mixup_cutmix_on_an_odd_dataset_then_predict(tmp_path
     meta = json.loads((output_dir / "best" / "meta.json").read_text())
     assert meta["mean"] == json.loads((tmp_path / "stats.json").read_text())["mean"]
     assert meta["eval_transform"] == {"resize": 55, "center_crop": [48, 48]}
-    assert "warning: left out 1 files that are not images or folders inside a class folder" in result.output
+    assert "warning: left out 1 files that are not images, folders inside a class folder or images" in result.output
     assert "warning: left out 1 unreadable train images" in result.output and "broken.png" in result.output
     assert "SyncBatchNorm off" in result.output and "2 process(es)" in result.output
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
