@@ -41,8 +41,16 @@ def find_images(inputs):
             paths.append(item)
     if not paths:
         raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
-    check_names(paths)
-    return paths
+    once, seen, again = [], set(), []
+    for path in paths:  # a folder and a file in it, or one folder twice: each image once, at its first place
+        key = path.resolve()
+        (again if key in seen else once).append(path)
+        seen.add(key)
+    if again:
+        print(f"left out {len(again)} image(s) named more than once (e.g. {again[0]}): each is read once",
+              file=sys.stderr)
+    check_names(once)
+    return once
 
 
 class ImageFiles(torch.utils.data.Dataset):

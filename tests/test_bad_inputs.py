@@ -588,7 +588,7 @@ def test_cifar_class_folders_with_nothing_to_test_on_say_how_to_hold_some_out(tm
                   0.1).returncode == 0  # the command it gives works
     assert build_cifar10(tmp_path / "cifar10-split")[1].classes == sorted(p.name for p in only_train.glob("train/*"))
     # a class renamed in one split: said before any image is decoded (a full CIFAR-10 took its decode first)
-    renamed = shutil.copytree(cifar_jpegs, tmp_path / "renamed")
+    renamed = shutil.copytree(cifar_jpegs, tmp_path / "renamed", ignore=shutil.ignore_patterns(".*"))
     first = sorted(p.name for p in (renamed / "test").iterdir())[0]
     (renamed / "test" / first).rename(renamed / "test" / f"{first}s")
     with pytest.raises(UserError, match=re.escape(f"{renamed / 'train'} and {renamed / 'test'} have different class "
@@ -732,6 +732,13 @@ def test_a_zip_from_macos_trains_on_its_classes_and_a_folder_inside_a_class_is_l
     found = find_images([data])
     assert len(found) == 86 and data / "Maize" / "more" / "another.png" in found
     assert not [p for p in found if "__MACOSX" in p.parts]
+    # named twice (a folder and a file in it, the folder again): each once, at its first place, with a line
+    result = script("predict.py", "--model_dir", tmp_path / "none", "--output", tmp_path / "p.csv",
+                    data / "Maize" / first.name, data, f"{data}/./")
+    assert result.returncode == 2  # no model: the images were listed first
+    assert (f"left out {86 + 1} image(s) named more than once (e.g. {data / 'Maize' / first.name}): each is read "
+            "once") in result.output, result.output
+    assert find_images([first, data]) == [first, *(p for p in found if p != first)]
 
 
 def test_a_mean_std_file_with_a_zero_std_is_refused_as_such(tmp_path):
