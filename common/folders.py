@@ -114,6 +114,9 @@ def find_splits(data_dir, *, val_fraction, seed, hf_options=None, fraction_typed
         splits = {name: ([files[i] for i in part], [labels[i] for i in part]) for name, part in zip(("train", "val"),
                                                                                                    parts)}
     source = str(root) if has_train else f"{root} (split here: --val_fraction {val_fraction}, stratified, --seed)"
+    if has_train and _is_split(root / "test"):  # read by no run: said, with what scores it
+        source += (f" (its test/ is not read in training: python scripts/evaluate.py --model_dir OUTPUT_DIR "
+                   f"--data_dir {root / 'test'} scores the trained model on it)")
     train, val = ({"files": files, "labels": labels, "classes": classes, "name": name, "root": root,
                    "source": source} for name, (files, labels) in splits.items())
     return train, val, classes, skipped

@@ -101,6 +101,13 @@ def test_bad_folders_are_named(tmp_path, seedlings):
             (split / part / name / "x.png").write_bytes((tmp_path / "a" / "x.png").read_bytes())
     with pytest.raises(UserError, match=r"different class folders \(only in train: \['b'\]; only in val: \['c'\]\)"):
         find_splits(split, val_fraction=0.3, seed=42)
+    shutil.rmtree(split / "val" / "c")
+    shutil.copytree(split / "train" / "b", split / "val" / "b")
+    assert find_splits(split, val_fraction=0.3, seed=42)[0]["source"] == str(split)
+    shutil.copytree(split / "val", split / "test")  # read by no run: the first line says so, and what scores it
+    assert find_splits(split, val_fraction=0.3, seed=42)[0]["source"] == (
+        f"{split} (its test/ is not read in training: python scripts/evaluate.py --model_dir OUTPUT_DIR --data_dir "
+        f"{split / 'test'} scores the trained model on it)")
 
 
 def test_corrupt_and_truncated_images_are_named_or_skipped(tmp_path, seedlings):
