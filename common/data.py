@@ -1,7 +1,9 @@
 """Datasets that fit in memory as a uint8 tensor (N, C, H, W) (common.cifar, common.mnist): a plain DataLoader
 fetches a whole batch with one index operation, and `preprocess` crops, flips and normalises it on the device."""
 
+import contextlib
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -175,9 +177,14 @@ def download_dataset(name, root):
     """torchvision's download of dataset `name` into `root`; no network gives one message, not a traceback."""
     import torchvision  # only needed to download
 
+    # the folders torchvision makes first (ROOT/MNIST/raw), removed again if still empty after a failure
+    made = [folder for folder in (Path(root) / name / "raw", Path(root) / name, Path(root)) if not folder.exists()]
     try:
         getattr(torchvision.datasets, name)(root=root, download=True)
     except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError on a bad file
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty: what was fetched stays
+                folder.rmdir()
         raise UserError(f"--download: could not fetch {name} into {root} ({' '.join(str(error).split())}). Without "
                         "internet (a compute node), download it on a machine that has it and copy the files into "
                         "--data_dir") from None

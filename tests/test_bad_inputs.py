@@ -538,6 +538,7 @@ def test_cifar_archive_that_is_not_a_tarball_says_how_to_fix_it_and_download_rep
     with pytest.raises(UserError, match=r"--download: could not fetch MNIST") as offline:
         build_mnist(tmp_path / "mnist", name="mnist", download=True)
     assert "\n" not in str(offline.value)  # torchvision's lines (a mirror each) joined into the one message
+    assert not (tmp_path / "mnist").exists()  # nor the empty mnist/MNIST/raw/ it had made
 
 
 def test_mnist_and_fashion_mnist_files_given_as_the_other_are_named(tmp_path):
