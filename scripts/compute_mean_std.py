@@ -33,7 +33,7 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=path,
                         help="images, searched recursively, or hf:NAME_OR_PATH (a Hugging Face dataset)")
-    parser.add_argument("--split", default="train", help="hf: the split (default: %(default)s)")
+    parser.add_argument("--split", default=None, help="hf: the split (default: train)")
     parser.add_argument("--dataset_config", default=None,
                         help="hf: the configuration (subset) of a dataset that has several (default: its only one)")
     parser.add_argument("--image_column", default=None, help="hf: the image column (default: the Image feature)")
@@ -67,10 +67,20 @@ def is_mean_std_json(file):
 def main(args):
     refuse_several_processes("compute_mean_std.py")
     columns = hf_options(args, args.folder, flag="")  # --image_column: refused with a folder
-    paths = hf_images(args.folder, args.split, **columns) if is_hf(args.folder) else find_images([args.folder])
+    if args.split is not None and not is_hf(args.folder):
+        raise UserError(f"--split chooses a split of a Hugging Face dataset (hf:...), and {args.folder} is a folder: "
+                        f"pass the split's own folder instead, e.g. {Path(args.folder) / args.split}")
+    paths = (hf_images(args.folder, args.split or "train", **columns) if is_hf(args.folder)
+             else find_images([args.folder]))
     check_output_file(args.output, suffix=".json", what="a JSON written by compute_mean_std.py",
                       is_ours=is_mean_std_json)
     mean, std, pixels = mean_std(paths)
+    flat = [name for name, value in zip("RGB", std.round(6).tolist()) if value <= 0]
+    if flat:  # training divides by it: refused there too, so not written
+        raise UserError(f"{'channels' if len(flat) > 1 else 'channel'} {', '.join(flat)} "
+                        f"{'have' if len(flat) > 1 else 'has'} one value in all {pixels:,} pixels of these {len(paths)} "
+                        "images (std 0), which normalising would divide by: compute it over more images (the training "
+                        "set), or leave --mean_std out to use ImageNet's")
     stats = {"mean": mean.round(6).tolist(), "std": std.round(6).tolist(), "images": len(paths), "pixels": pixels,
              "folder": str(args.folder) if is_hf(args.folder) else str(Path(args.folder))}
     write_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))

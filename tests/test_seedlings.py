@@ -72,6 +72,16 @@ def test_compute_mean_std_is_exact(seedlings, tmp_path):
                              for p in sorted(seedlings.rglob("*.png"))])
     assert stats["images"] == 85 and stats["pixels"] == len(pixels)
     assert np.allclose(stats["mean"], pixels.mean(0), atol=1e-6) and np.allclose(stats["std"], pixels.std(0), atol=1e-6)
+    # a std of 0 (one colour everywhere), which training refuses, is not written; --split is for hf: datasets
+    (tmp_path / "flat").mkdir()
+    Image.new("RGB", (4, 4), (10, 20, 30)).save(tmp_path / "flat" / "a.png")
+    flat = script("compute_mean_std.py", tmp_path / "flat", "--output", tmp_path / "flat.json")
+    assert flat.returncode == 2 and ("error: channels R, G, B have one value in all 16 pixels of these 1 images (std "
+                                     "0)") in flat.output and not (tmp_path / "flat.json").exists(), flat.output
+    split = script("compute_mean_std.py", seedlings, "--split", "val", "--output", tmp_path / "val.json")
+    assert split.returncode == 2 and (f"--split chooses a split of a Hugging Face dataset (hf:...), and {seedlings} is "
+                                      f"a folder: pass the split's own folder instead, e.g. {seedlings / 'val'}"
+                                      ) in split.output, split.output
 
 
 def test_bad_folders_are_named(tmp_path, seedlings):
