@@ -327,6 +327,14 @@ def _split_name(splits, given, defaults, flag, data_dir):
                     f"{flag}")
 
 
+def _first_value(dataset, column):
+    """The first row's `column` of a split read from disk (None for a stream, or an empty split)."""
+    try:
+        return dataset.select_columns([column])[0][column] if len(dataset) else None
+    except TypeError:  # an IterableDataset has no len
+        return None
+
+
 def _column(dataset, given, kind, flag, data_dir, split):
     """The column `given`, else the one whose feature is `kind` (Image, ClassLabel)."""
     import datasets
@@ -341,6 +349,11 @@ def _column(dataset, given, kind, flag, data_dir, split):
                                     and feature.dtype in ("string", "large_string", "binary", "large_binary")):
             raise UserError(f"{data_dir} split {split!r} column {given!r} ({flag}) holds {feature}, not images (an "
                             f"Image feature, encoded bytes or file paths); its columns: {described}")
+        first = _first_value(dataset, given) if kind == "Image" and isinstance(feature, datasets.Value) else None
+        if isinstance(first, str) and not Path(first).is_file():  # text, not paths: said once, not per image
+            raise UserError(f"{data_dir} split {split!r} column {given!r} ({flag}) holds text that names no file "
+                            f"({first[:60]!r} in its first row), not images (an Image feature, encoded bytes or "
+                            f"file paths); its columns: {described}")
         return given
     found = [name for name, feature in features.items() if isinstance(feature, getattr(datasets, kind))]
     if len(found) != 1:

@@ -251,6 +251,11 @@ def test_each_mistake_in_a_hf_dataset_is_one_message_naming_what_there_is(tmp_pa
     refused(f"hf:{saved}", r"split 'train' has no column 'image' \(--image_column\); its columns: img \(Image\), "
                            r"species \(ClassLabel\)", image_column="image")
     refused(f"hf:{saved}", r"--image_column and --label_column are both 'img'", label_column="img")
+    noted = hf_dataset({"train": (files[:12], labels[:12])}, classes=classes)
+    noted["train"] = noted["train"].add_column("note", ["a photo"] * 12)
+    noted.save_to_disk(tmp_path / "noted")  # a text column named as the images: said once, not a missing file each
+    refused(f"hf:{tmp_path / 'noted'}", r"split 'train' column 'note' \(--image_column\) holds text that names no "
+                                        r"file \('a photo' in its first row\), not images", image_column="note")
     for options in ({"val_split": "train"}, {"train_split": "test", "val_split": "test"}):
         refused(f"hf:{saved}", rf"--val_split '{options['val_split']}' is the split that trains \(--train_split\): "
                                r"the run would score, and choose best/ on, the images it learns from", **options)
