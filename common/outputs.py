@@ -175,16 +175,27 @@ def check_foreign_files(output_dir, accelerator):
     foreign = sorted(entry.name for entry in os.scandir(output_dir) if not is_hidden(entry.name) and not (
         entry.name in LEFT_BEFORE_A_RUN and entry.is_dir() and (entry.name == PREVIOUS_RUN
                                                                 or not earlier_run(entry.path))))
+    runs = [name for name in foreign if name not in RUN_OUTPUTS and earlier_run(output_dir / name)]
+    if runs:  # a folder of runs (outputs/): this one's files would lie among them, and every --overwrite mix them
+        raise UserError(f"--output_dir {output_dir} is a folder of runs ({', '.join(runs[:3])}"
+                        f"{', ...' if len(runs) > 3 else ''}): give this run a folder of its own, e.g. --output_dir "
+                        f"{_unused(output_dir / 'run')}")
     replaced = [name for name in foreign if name in RUN_OUTPUTS]
     if replaced:
         raise UserError(f"--output_dir {output_dir} holds {', '.join(replaced)}, which no run wrote there (it holds "
                         "no metrics.jsonl, best/meta.json or checkpoint) and a run would replace: choose a new or "
-                        f"empty folder (it is created), e.g. --output_dir {output_dir / 'run'}, or move "
+                        f"empty folder (it is created), e.g. --output_dir {_unused(output_dir / 'run')}, or move "
                         f"{'them' if len(replaced) > 1 else 'it'} away.")
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         accelerator.print(f"note: --output_dir {output_dir} already holds files of yours ({shown}): the run writes "
                           "its outputs beside them and leaves them as they are")
+
+
+def _unused(path):
+    """`path`, or path-2, path-3, ...: the first that does not exist (a folder to suggest)."""
+    return next(candidate for n in range(1, 1000) if not (candidate := path.with_name(
+        path.name if n == 1 else f"{path.name}-{n}")).exists())
 
 
 def check_not_nested(output_dir):

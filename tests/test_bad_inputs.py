@@ -1089,6 +1089,10 @@ def test_a_run_never_replaces_files_of_the_users_nor_starts_inside_another_runs_
                        "deletes with its other outputs when it is run again with --overwrite",
                        f"--output_dir {finished_run / 'runs' / nested.name}")
         assert not (finished_run / Path(inside).parts[0]).exists()
+    runs = finished_run.parent  # a folder of runs (outputs/): not one more run among them
+    assert_refused(script("train_mnist.py", *quick, "--output_dir", runs),
+                   f"error: --output_dir {runs} is a folder of runs (run): give this run a folder of its own, e.g. "
+                   f"--output_dir {runs / 'run-2'}")
     (mine / "best").rename(tmp_path / "photos")
     (mine / "report.html").rename(mine / "notes.html")
     result = script("train_mnist.py", *quick, "--output_dir", mine)
