@@ -138,11 +138,11 @@ def build_folder_dataset(split, *, transform, skip_bad_images, cache=None, seed=
     emptied = sorted(set(split["labels"]) - set(labels))
     if emptied:  # --skip_bad_images left a class out whole: the run would neither learn nor score it
         lost = [path for path, label in zip(split["files"], split["labels"]) if label == emptied[0]]
+        why = dict((str(path), error) for path, error in bad)[str(lost[0])]
         raise UserError(f"class {classes[emptied[0]]}: none of its {len(lost)} {split.get('name', '')} images can be "
-                        f"read (e.g. {lost[0]}: {dict((str(path), error) for path, error in bad)[str(lost[0])]}), "
-                        "so --skip_bad_images would "
-                        "leave the class out of the run, which could neither learn nor score it. Replace its images, "
-                        "or move the folder out of the data to train without that class.")
+                        f"read (e.g. {lost[0]}: {why}), so --skip_bad_images would leave the class out of the run, "
+                        "which could neither learn nor score it. Replace its images, or move the folder out of the "
+                        "data to train without that class.")
     if images is not None and transform is None:
         dataset = InMemoryDataset(images, torch.tensor(labels), classes, rows=good,
                                   files=[split["files"][i] for i in good])

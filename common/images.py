@@ -51,7 +51,8 @@ def list_image_folder(root):
         raise UserError(f"{root} has no class folders: expected {root}/<class>/<image>.png"
                         + (f" (it holds {other})" if other else ""))
     files, labels = [], []
-    skipped = [root / name for name, kind in entries if kind == "file" and Path(name).suffix.lower() in IMAGE_EXTENSIONS]
+    skipped = [root / name for name, kind in entries  # images beside the class folders: in no class
+               if kind == "file" and Path(name).suffix.lower() in IMAGE_EXTENSIONS]
     for label, name in enumerate(classes):
         listed = sorted(folder_entries(root / name))
         entries = [root / name / entry for entry, kind in listed if kind == "file"]

@@ -77,10 +77,11 @@ def main(args):
     mean, std, pixels = mean_std(paths)
     flat = [name for name, value in zip("RGB", std.round(6).tolist()) if value <= 0]
     if flat:  # training divides by it: refused there too, so not written
-        raise UserError(f"{'channels' if len(flat) > 1 else 'channel'} {', '.join(flat)} "
-                        f"{'have' if len(flat) > 1 else 'has'} one value in all {pixels:,} pixels of these {len(paths)} "
-                        "images (std 0), which normalising would divide by: compute it over more images (the training "
-                        "set), or leave --mean_std out to use ImageNet's")
+        several = len(flat) > 1
+        raise UserError(f"{'channels' if several else 'channel'} {', '.join(flat)} {'have' if several else 'has'} one "
+                        f"value in all {pixels:,} pixels of these {len(paths)} images (std 0), which normalising would "
+                        "divide by: compute it over more images (the training set), or leave --mean_std out to use "
+                        "ImageNet's")
     stats = {"mean": mean.round(6).tolist(), "std": std.round(6).tolist(), "images": len(paths), "pixels": pixels,
              "folder": str(args.folder) if is_hf(args.folder) else str(Path(args.folder))}
     write_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
