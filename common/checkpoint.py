@@ -5,7 +5,6 @@ description, the arguments). Resuming unpickles only through `torch.load(weights
 """
 
 import difflib
-import hashlib
 import json
 import os
 import shutil
@@ -18,8 +17,8 @@ from safetensors import SafetensorError
 from .errors import NothingToDo, UserError
 from .flags import ArgumentParser, args_to_dict, check_args
 from .models import check_weights, read_json
-from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, finish_later, finish_writes, has_checkpoint,
-                      latest_checkpoint, publish, remove, remove_previous_run, write_atomically)
+from .outputs import (PREVIOUS_RUN, earlier_run, failed_write_is_said, find_damage, finish_later, finish_writes,
+                      has_checkpoint, latest_checkpoint, publish, remove, remove_previous_run, sha256, write_atomically)
 from .reporting import truncate_metrics
 
 
@@ -207,7 +206,7 @@ def find_checkpoint(output_dir, resume):
     if problem:
         raise UserError(f"{state_path} is damaged or not written by our training scripts ({problem}); resume from "
                         f"another checkpoint. {choose}")
-    damage = _damage(path, state.get("files", {}))  # checkpoints written before the field existed: not checked
+    damage = find_damage(path, state.get("files", {}))  # checkpoints written before the field existed: not checked
     if damage:
         others = [name for name in others if name != path.name]
         raise UserError(f"checkpoint {path} is damaged: {damage}. It was not used. Resume from another checkpoint ("
@@ -218,27 +217,6 @@ def find_checkpoint(output_dir, resume):
         raise UserError(f"{path} comes from the run in {run_dir}, but --output_dir {output_dir} holds another run. "
                         f"Resume with --output_dir {run_dir}, or into an empty --output_dir.")
     return {**state, "path": path}
-
-
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _damage(folder, files):
-    """What differs from the recorded {file: [size, sha256]}, or None: Accelerate would load a cut file silently."""
-    for name, (size, digest) in files.items():
-        file = folder / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size != size:
-            return f"{file} holds {file.stat().st_size} bytes, {size} when it was saved"
-        if sha256(file) != digest:
-            return f"{file} does not hold what was saved (its checksum differs)"
-    return None
 
 
 ORDER = "global micro-batches"  # trainer_state.json's `batch` counts MicroBatches' micro-batches of all processes

@@ -16,7 +16,7 @@ from torch import nn
 
 from .distributed import STARTED, prepare_to_evaluate
 from .errors import UserError
-from .outputs import latest_checkpoint, write_atomically
+from .outputs import find_damage, latest_checkpoint, sha256, write_atomically
 from .reporting import write_predictions
 
 
@@ -158,7 +158,9 @@ def save_best_model(accelerator, model, output_dir, *, meta, evaluation, later=F
     def write(folder):
         folder.mkdir()
         save_file(weights, folder / "model.safetensors")
-        (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+        weights_file = folder / "model.safetensors"  # its size and checksum, checked by load_best_model
+        files = {"files": {weights_file.name: [weights_file.stat().st_size, sha256(weights_file)]}}
+        (folder / "meta.json").write_text(json.dumps(meta | files, indent=2))
         if config:
             (folder / "config.json").write_text(json.dumps(config, indent=2))
         write_predictions(folder / "val_predictions.csv", evaluation, class_names=meta["class_names"])
@@ -233,6 +235,10 @@ def load_best_model(model_dir):
     model = build_model(meta["architecture"], **meta["model_kwargs"],
                         channels_last=isinstance(meta.get("args"), dict) and meta["args"].get("channels_last") is True)
     check_weights(model, weights_path, expected=f"{meta['architecture']} with {meta['model_kwargs']}")
+    recorded = {name: record for name, record in meta.get("files", {}).items() if name == weights_path.name}
+    if damage := find_damage(model_dir, recorded):  # a folder written before the record existed: not checked
+        raise UserError(f"{damage}: it was not used (a copy cut short, a disk's error?). Use another checkpoint or "
+                        "best/ folder, or copy it again")
     model.load_state_dict(load_file(weights_path))
     return model.eval(), meta
 

@@ -6,6 +6,7 @@ a file is replaced only by a rename of its complete successor (`write_atomically
 
 import atexit
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -316,6 +317,29 @@ def check_ours(folder, *, marker, flag):
     if not (folder / marker).exists() and any(folder.iterdir()):
         raise UserError(f"{flag} {folder} holds files this tool did not write (no {marker}), which it would replace: "
                         "choose a new folder (it is created), or empty that one yourself")
+
+
+# ---- what was written, checked when read back ----
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def find_damage(folder, files):
+    """What differs from the recorded {file: [size, sha256]}, or None: Accelerate would load a cut file silently."""
+    for name, (size, digest) in files.items():
+        file = folder / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} holds {file.stat().st_size} bytes, {size} when it was saved"
+        if sha256(file) != digest:
+            return f"{file} does not hold what was saved (its checksum differs)"
+    return None
 
 
 # ---- the one writer ----

@@ -105,9 +105,10 @@ def main(args):
     program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT], dynamo=True,
                                 dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
     output = Path(args.output)
-    # best/meta.json as it is (common.models.describe_model owns its fields), and how to feed the ONNX graph
-    description = meta | {"format": "onnx", "input": INPUT, "output": OUTPUT,
-                          "preprocessing": describe_preprocessing(meta)}
+    # best/meta.json as it is (common.models.describe_model owns its fields) but its weights' checksum, and how to
+    # feed the ONNX graph
+    description = {key: value for key, value in meta.items() if key != "files"} | {
+        "format": "onnx", "input": INPUT, "output": OUTPUT, "preprocessing": describe_preprocessing(meta)}
     images = ImageFiles(paths, transform=build_eval_transform(meta["eval_transform"]), channels=channels,
                         image_size=meta["image_size"])
 

@@ -83,6 +83,17 @@ def test_corrupt_or_foreign_weights_get_a_clear_message(digits_run, tmp_path):
     assert result.returncode == 2 and "is corrupt or not a safetensors file" in result.output
     assert not (tmp_path / "out.csv").exists()
 
+    flipped = bytearray(weights)  # whole in size, but a byte of its tensors changed: meta.json's checksum tells
+    flipped[-100] ^= 0x40
+    (best / "model.safetensors").write_bytes(flipped)
+    for tool, args in (("predict.py", ["--output", tmp_path / "out.csv", image]), ("evaluate.py", [])):
+        result = script(tool, "--model_dir", best, *args)
+        assert result.returncode == 2 and "Traceback" not in result.output, result.output
+        assert (f"error: {best / 'model.safetensors'} does not hold what was saved (its checksum differs): it was not "
+                "used") in result.output, result.output
+    assert not (tmp_path / "out.csv").exists()
+    assert meta["files"]["model.safetensors"][0] == len(weights)  # what the run recorded when it wrote best/
+
 
 def test_a_run_folder_named_where_images_are_expected_is_refused_not_read_as_its_plots(digits_run, tmp_path):
     """A run's folder holds PNGs (its plots): each tool that reads images says what the folder is instead of
