@@ -41,9 +41,11 @@ def find_images(inputs):
             paths.append(item)
     if not paths:
         raise UserError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(inputs)}")
-    once, seen, again = [], set(), []
+    once, seen, again, folders = [], set(), [], {}
     for path in paths:  # a folder and a file in it, or one folder twice: each image once, at its first place
-        key = path.resolve()
+        if path.parent not in folders:  # resolved once a folder: resolving each of 50,000 images took 1.1 s
+            folders[path.parent] = path.parent.resolve()
+        key = (folders[path.parent], path.name)
         (again if key in seen else once).append(path)
         seen.add(key)
     if again:
