@@ -122,7 +122,7 @@ def load_hf(data_dir, config=None, *, streaming=False):
             raise UserError(f"{data_dir} is a folder, but neither one written by save_to_disk nor one of data files "
                             f"({', '.join(DATA_FILES)}). For a folder of images pass --data_dir {spec} (without hf:)")
         else:
-            unreachable = None if datasets.config.HF_HUB_OFFLINE else offline_unless_reachable()
+            unreachable = offline_unless_reachable()
             loaded = datasets.load_dataset(spec, name=config, streaming=streaming)
     except UserError:
         raise
@@ -166,14 +166,14 @@ def hub_out_of_reach(timeout=5):
 
 
 def offline_unless_reachable():
-    """hub_out_of_reach's answer; where the Hub is out of reach, huggingface_hub (and datasets, timm's downloads
-    through it, this process's DataLoader workers) switched to the local cache only, at once: they would retry for
-    23-50 s, a line each time, before the same failure."""
-    unreachable = hub_out_of_reach()
-    if unreachable:
-        import huggingface_hub
+    """hub_out_of_reach's answer (None where offline already: HF_HUB_OFFLINE); where the Hub is out of reach,
+    huggingface_hub (and datasets, timm's downloads through it, this process's DataLoader workers) switched to the
+    local cache only, at once: they would retry for 23-50 s, a line each time, before the same failure."""
+    from huggingface_hub import constants
 
-        huggingface_hub.constants.HF_HUB_OFFLINE = True
+    unreachable = None if constants.HF_HUB_OFFLINE else hub_out_of_reach()
+    if unreachable:
+        constants.HF_HUB_OFFLINE = True
         os.environ["HF_HUB_OFFLINE"] = "1"
         if "datasets" in sys.modules:
             sys.modules["datasets"].config.HF_HUB_OFFLINE = True

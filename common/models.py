@@ -3,7 +3,6 @@ trained model is: its description (best/meta.json), best/ written and read back.
 
 import json
 import math
-import os
 import pickle
 import re
 import time
@@ -337,7 +336,7 @@ def read_pretrained(name, source):
 
         from .hf import offline_unless_reachable
 
-        unreachable = None if os.environ.get("HF_HUB_OFFLINE") == "1" else offline_unless_reachable()
+        unreachable = offline_unless_reachable()
         try:
             state_dict = timm.create_model(name, pretrained=True).state_dict()
         except Exception as error:  # offline, no such weights, hub errors: all mean "use a file"

@@ -365,23 +365,23 @@ def test_odd_batch_with_mixup_and_offline_hub_weights_are_refused(tmp_path, seed
 def test_hub_weights_out_of_reach_are_refused_at_once():
     """Not offline, but the Hub out of reach (a compute node without internet): the local cache only, at once, where
     huggingface_hub retried for 49 s, 20 lines of it, before the same message."""
-    import huggingface_hub
+    from huggingface_hub import constants
 
     from common.errors import UserError
     from common.models import read_pretrained
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        patch.setattr(constants, "HF_HUB_OFFLINE", False)
         for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
                      "all_proxy"):
             patch.delenv(name, raising=False)
-        patch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
+        patch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
         started = time.monotonic()
         with pytest.raises(UserError, match=r"could not fetch ImageNet weights for resnet18 \(the Hub is out of reach "
                                             r"here \(127\.0\.0\.1:9 Connection refused\) and they are not in the "
                                             r"local cache\)\. Offline, download them elsewhere"):
             read_pretrained("resnet18", "hub")
-        assert time.monotonic() - started < 10 and huggingface_hub.constants.HF_HUB_OFFLINE
+        assert time.monotonic() - started < 10 and constants.HF_HUB_OFFLINE
 
 
 @pytest.mark.slow
